@@ -1,0 +1,1 @@
+"""Policy rollouts: vLLM engines in Ray actors and the multi-turn agent loop (imported as ``agentrl.rollout``)."""

@@ -1,0 +1,1 @@
+"""The DeepSpeed policy optimizer (imported as ``agentrl.trainer``)."""
