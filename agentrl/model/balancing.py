@@ -1,0 +1,176 @@
+"""Expert load balancing without an auxiliary loss: Quantile Balancing and the sign rule.
+
+Legend: T = tokens, E = routed experts, K = experts per token (top-k), B = histogram bins.
+
+The router selects experts by the *biased* scores s + b and weights them by the unbiased s, so the bias b steers
+load without entering the gradient or the gate weights. Each optimizer step the bias is recomputed:
+
+**Quantile Balancing** (Kimi K3 §2.3.3; J. Su, "MoE环游记 6"). Token i picks expert j when s_ij + b_j beats the
+token's threshold α_i, the (K+1)-th largest biased score. For every expert to be chosen by the fraction K/E of the
+tokens, b̂_j = −quantile_{1−K/E}(s_{:,j} − α) over the step's tokens, and b = b̂ − mean(b̂). The update has no learning
+rate; the new bias applies from the next step and is frozen at inference.
+
+Across ranks the quantile comes from per-expert histograms of s_ij − α_i over a fixed range, summed by one
+all-reduce (a sum of histograms is the histogram of the union). The quantile is read from the cumulative histogram by
+linear interpolation inside a bin, so it is exact to within one bin width.
+
+**Sign rule** (the simpler variant, as in DeepSeek-V3): b_j −= η · sign(load_j − median(load)).
+
+Activation checkpointing reruns the router in the backward pass and so adds every token twice: both the quantiles
+and the load ratios are invariant to that uniform doubling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BALANCING_METHODS = ("quantile", "sign", "none")
+
+
+@dataclass(kw_only=True, slots=True)
+class BalancingStats:
+    """What one layer's balancer saw since its last update (for logging)."""
+
+    load_E: torch.Tensor  # tokens routed to each expert
+    max_over_mean: float  # max_j load_j / mean_j load_j; 1.0 is perfect balance
+
+
+def selection_threshold(biased_scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """α_i: the (K+1)-th largest biased score of each token, shape [T]."""
+    num_experts = biased_scores_TE.shape[-1]
+    if top_k >= num_experts:
+        raise ValueError(f"top_k={top_k} must be smaller than the number of experts {num_experts}")
+    return biased_scores_TE.topk(top_k + 1, dim=-1).values[:, -1]
+
+
+def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The centred Quantile Balancing bias computed from the exact quantile (the reference for the histograms)."""
+    alpha_T = selection_threshold(scores_TE + bias_E, top_k)
+    margins_TE = scores_TE - alpha_T[:, None]
+    q = 1.0 - top_k / scores_TE.shape[-1]
+    b_hat_E = -torch.quantile(margins_TE.double(), q, dim=0, interpolation="linear").to(scores_TE.dtype)
+    return b_hat_E - b_hat_E.mean()
+
+
+def histogram_quantile(hist_EB: torch.Tensor, lo: float, hi: float, q: float) -> torch.Tensor:
+    """The q-quantile of each row's distribution from its histogram over [lo, hi] with equal-width bins.
+
+    Linear interpolation inside the bin that crosses q·count; exact to within one bin width.
+    """
+    num_bins = hist_EB.shape[-1]
+    width = (hi - lo) / num_bins
+    counts = hist_EB.double()
+    cdf_EB = counts.cumsum(-1)
+    total_E = cdf_EB[:, -1:]
+    target_E1 = q * total_E
+    # first bin whose cumulative count reaches the target
+    idx_E1 = torch.searchsorted(cdf_EB.contiguous(), target_E1).clamp_max(num_bins - 1)
+    before_E1 = torch.where(idx_E1 > 0, cdf_EB.gather(-1, (idx_E1 - 1).clamp_min(0)), torch.zeros_like(target_E1))
+    in_bin_E1 = counts.gather(-1, idx_E1).clamp_min(1e-12)
+    frac_E1 = ((target_E1 - before_E1) / in_bin_E1).clamp(0.0, 1.0)
+    return (lo + (idx_E1.double() + frac_E1) * width).squeeze(-1)
+
+
+class ExpertBalancer:
+    """Accumulates one MoE layer's routing statistics over a step and computes the next selection bias.
+
+    Args:
+        num_experts: routed experts E.
+        top_k: experts per token K.
+        method: "quantile", "sign" or "none".
+        num_bins: histogram resolution for Quantile Balancing.
+        sign_rate: η of the sign rule.
+
+    The owning router calls `observe` in training forwards; the trainer calls `update(bias_E, all_reduce)` after the
+    optimizer step, which returns the bias for the next step (or None when there is nothing to change).
+    """
+
+    def __init__(self, *, num_experts: int, top_k: int, method: str = "quantile", num_bins: int = 4096,
+                 sign_rate: float = 1e-3):
+        if method not in BALANCING_METHODS:
+            raise ValueError(f"balancing method {method!r} is not one of {BALANCING_METHODS}")
+        if not 0 < top_k < num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts})")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.method = method
+        self.num_bins = num_bins
+        self.sign_rate = sign_rate
+        self.hist_EB: torch.Tensor | None = None
+        self.load_E: torch.Tensor | None = None
+        self.range: tuple[float, float] | None = None
+        self.last_stats: BalancingStats | None = None  # global statistics of the last completed step
+
+    def _margin_range(self, bias_E: torch.Tensor) -> tuple[float, float]:
+        # s ∈ (0, 1) and α ∈ (min b, 1 + max b), so s − α lies in (−1 − max b, 1 − min b); the bias is identical on
+        # every rank, hence so is the range and the histograms can be summed.
+        return (-1.0 - float(bias_E.max()) - 1e-3, 1.0 - float(bias_E.min()) + 1e-3)
+
+    @torch.no_grad()
+    def observe(self, scores_TE: torch.Tensor, bias_E: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
+        """Adds one forward's router scores (unbiased sigmoid scores) and chosen experts."""
+        if self.method == "none":
+            return
+        device = scores_TE.device
+        load_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts).to(torch.float64)
+        self.load_E = load_E if self.load_E is None else self.load_E + load_E
+        if self.method != "quantile":
+            return
+        scores_TE = scores_TE.float()
+        if self.range is None:
+            self.range = self._margin_range(bias_E)
+        lo, hi = self.range
+        alpha_T = selection_threshold(scores_TE + bias_E.float(), self.top_k)
+        margins_TE = scores_TE - alpha_T[:, None]
+        bins_TE = ((margins_TE - lo) * (self.num_bins / (hi - lo))).long().clamp_(0, self.num_bins - 1)
+        flat = (bins_TE + torch.arange(self.num_experts, device=device) * self.num_bins).reshape(-1)
+        hist = torch.bincount(flat, minlength=self.num_experts * self.num_bins).view(self.num_experts, self.num_bins)
+        hist = hist.to(torch.float64)
+        self.hist_EB = hist if self.hist_EB is None else self.hist_EB + hist
+
+    def stats(self) -> BalancingStats | None:
+        """This rank's statistics since the last update."""
+        return None if self.load_E is None else _stats(self.load_E)
+
+    @torch.no_grad()
+    def update(self, bias_E: torch.Tensor,
+               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Returns the next step's bias and resets the statistics.
+
+        `all_reduce` sums a tensor across data-parallel ranks in place (e.g. torch.distributed.all_reduce); the
+        histogram and the load counts are packed into one tensor so a step needs one collective per layer.
+        """
+        if self.load_E is None or self.method == "none":
+            self.reset()
+            return None
+        if self.method == "quantile":
+            packed = torch.cat([self.hist_EB.reshape(-1), self.load_E])
+        else:
+            packed = self.load_E.clone()
+        if all_reduce is not None:
+            all_reduce(packed)
+        self.last_stats = _stats(packed[-self.num_experts:])
+        if self.method == "quantile":
+            hist_EB = packed[: -self.num_experts].view(self.num_experts, self.num_bins)
+            lo, hi = self.range
+            b_hat_E = -histogram_quantile(hist_EB, lo, hi, 1.0 - self.top_k / self.num_experts)
+            new_bias_E = b_hat_E - b_hat_E.mean()
+        else:
+            load_E = packed[-self.num_experts:]
+            new_bias_E = bias_E.double() - self.sign_rate * torch.sign(load_E - load_E.median())
+        self.reset()
+        return new_bias_E.to(bias_E.dtype)
+
+    def reset(self) -> None:
+        """Forgets what was observed since the last update (last_stats stays)."""
+        self.hist_EB = None
+        self.load_E = None
+        self.range = None
+
+
+def _stats(load_E: torch.Tensor) -> BalancingStats:
+    mean = float(load_E.mean())
+    return BalancingStats(load_E=load_E.clone(), max_over_mean=float(load_E.max()) / mean if mean > 0 else 1.0)

@@ -1,0 +1,136 @@
+"""Small building blocks shared by the model's layers: norms, GLU activations, the dense MLP, the short convolution.
+
+Legend: T = tokens (packed), N = sequences, C = channels, W = convolution width, D = hidden.
+
+Sequences are packed along T and delimited by `cu_seqlens` ([N+1] offsets), as in FlashAttention and fla; nothing
+here mixes tokens of different sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as transformers' and vLLM's Kimi layers do), weight initialised to one."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight ⊙ RMSNorm(x) ⊙ σ(gate) over the last dim, in fp32 (KDA's per-head output norm)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (x * torch.sigmoid(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps): fla's and transformers' form (eps inside the root, not F.normalize's max)."""
+    return x / torch.sqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def glu(gate_up: torch.Tensor, act: str, situ_beta: float | None = None,
+        situ_linear_beta: float | None = None) -> torch.Tensor:
+    """Gated linear unit over [..., 2I] = [gate | up].
+
+    silu: SwiGLU, silu(gate) · up.
+    situ: K3's SiTU-GLU, β·tanh(gate/β)·σ(gate) · up, with up optionally soft-clipped as β'·tanh(up/β').
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return F.silu(gate) * up
+    if act == "situ":
+        beta = situ_beta or 1.0
+        out_dtype = gate_up.dtype
+        gate, up = gate.float(), up.float()
+        gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+        if situ_linear_beta is not None:
+            up = situ_linear_beta * torch.tanh(up / situ_linear_beta)
+        return (gate * up).to(out_dtype)
+    raise ValueError(f"unknown activation {act!r}; expected 'silu' or 'situ'")
+
+
+class MLP(nn.Module):
+    """Dense gated MLP: down(glu(gate(x), up(x)))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu",
+                 situ_beta: float | None = None, situ_linear_beta: float | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = act
+        self.situ_beta = situ_beta
+        self.situ_linear_beta = situ_linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(glu(gate_up, self.act, self.situ_beta, self.situ_linear_beta))
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_T, pos_T): each packed token's sequence index and position inside its sequence."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_T = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths,
+                                    output_size=num_tokens)
+    pos_T = torch.arange(num_tokens, device=cu_seqlens.device) - cu_seqlens[:-1][seq_T]
+    return seq_T, pos_T
+
+
+def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor,
+               initial_state_NCW: torch.Tensor | None = None, activation: str | None = "silu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over packed sequences, with a carried state.
+
+    Args:
+        x_TC: packed inputs.
+        weight_C1W: nn.Conv1d depthwise weight [C, 1, W].
+        cu_seqlens: [N+1] sequence offsets into T.
+        initial_state_NCW: the W−1 inputs that precede each sequence (oldest first), [N, C, W−1]; zeros if None.
+        activation: "silu" or None.
+
+    Returns:
+        y_TC, and the final state [N, C, W−1] (each sequence's last W−1 inputs, drawn from the initial state for
+        sequences shorter than W−1). Computed in fp32, returned in x's dtype (state in fp32).
+    """
+    num_tokens, channels = x_TC.shape
+    width = weight_C1W.shape[-1]
+    num_seqs = cu_seqlens.numel() - 1
+    w_CW = weight_C1W.reshape(channels, width).float()
+    x = x_TC.float()
+    if initial_state_NCW is None:
+        initial_state_NCW = x.new_zeros(num_seqs, channels, width - 1)
+    state_NWC = initial_state_NCW.float().transpose(1, 2)  # [N, W-1, C]
+    seq_T, pos_T = sequence_ids(cu_seqlens, num_tokens)
+    y = x * w_CW[:, width - 1]
+    for shift in range(1, width):
+        shifted = F.pad(x, (0, 0, shift, 0))[:num_tokens]  # x[t - shift]
+        # tokens within `shift` of their sequence start read the carried state instead
+        from_state = state_NWC[seq_T, (width - 1 - shift + pos_T).clamp(0, width - 2)]
+        src = torch.where((pos_T >= shift)[:, None], shifted, from_state)
+        y = y + src * w_CW[:, width - 1 - shift]
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unknown conv activation {activation!r}")
+    # final state: the last W-1 entries of [state | sequence]
+    lengths_N = cu_seqlens[1:] - cu_seqlens[:-1]
+    ext_NW = lengths_N[:, None] + torch.arange(width - 1, device=x.device)  # positions in [state | seq] coordinates
+    from_seq = ext_NW >= width - 1
+    tok_NW = (cu_seqlens[:-1, None] + ext_NW - (width - 1)).clamp(0, max(num_tokens - 1, 0))
+    seq_vals = x[tok_NW] if num_tokens else x.new_zeros(num_seqs, width - 1, channels)
+    state_vals = state_NWC[torch.arange(num_seqs, device=x.device)[:, None], ext_NW.clamp(max=width - 2)]
+    final_NWC = torch.where(from_seq[..., None], seq_vals, state_vals)
+    return y.to(x_TC.dtype), final_NWC.transpose(1, 2).contiguous()

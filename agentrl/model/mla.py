@@ -1,0 +1,121 @@
+"""Gated multi-head latent attention (DeepSeek-V2 MLA under NoPE, with a sigmoid output gate).
+
+Legend: T = packed tokens, N = sequences, D = hidden, H = heads, R = kv_lora_rank, E = qk_nope_head_dim,
+P = qk_rope_head_dim (the decoupled key part), V = v_head_dim, L = cached tokens.
+
+    q = W_q x  (or W_qb RMSNorm(W_qa x))                          [T, H, E+P]
+    [c | k_pe] = W_dkv x,  c ← RMSNorm(c)                           c: [T, R] is what the decode cache keeps
+    [k_nope | v] = W_ukv c                                           [T, H, E+V]
+    k = [k_nope | k_pe broadcast over heads]   — k_pe is never rotated: the model is NoPE
+    o = softmax(q kᵀ / √(E+P)) v,  causal within each sequence
+    y = W_o [σ(W_g x) ⊙ o]   (output gate per head and channel when mla_use_output_gate)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrl.model.cache import MLAState
+from agentrl.model.config import HybridMoEConfig
+from agentrl.model.layers import RMSNorm, sequence_ids
+
+# Above this many packed tokens a block-diagonal mask costs more memory than a loop over sequences.
+_MAX_MASKED_TOKENS = 8192
+
+
+def varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
+                            cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention of packed sequences (no attention across sequences) via SDPA. Returns [T, H, V]."""
+    num_tokens = q_THE.shape[0]
+    num_seqs = cu_seqlens.numel() - 1
+    q, k, v = (t.transpose(0, 1)[None] for t in (q_THE, k_THE, v_THV))  # [1, H, T, *]
+    if num_seqs == 1:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    elif num_tokens <= _MAX_MASKED_TOKENS:
+        seq_T, _ = sequence_ids(cu_seqlens, num_tokens)
+        idx = torch.arange(num_tokens, device=q.device)
+        mask = (seq_T[:, None] == seq_T[None, :]) & (idx[:, None] >= idx[None, :])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        bounds = cu_seqlens.tolist()
+        o = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                                                      scale=scale) for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
+    return o[0].transpose(0, 1)
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: HybridMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.pe_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        qk_dim = self.nope_dim + self.pe_dim
+        self.scale = qk_dim ** -0.5
+        hidden = config.hidden_size
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.pe_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.g_proj = (nn.Linear(hidden, self.num_heads * self.v_dim, bias=False)
+                       if config.mla_use_output_gate else None)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
+
+    def _expand(self, latent_LR: torch.Tensor, k_pe_LP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [L, H, E+P] and values [L, H, V] from the cached latent."""
+        kv = self.kv_b_proj(latent_LR).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_pe = k_pe_LP[:, None, :].expand(-1, self.num_heads, -1)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state: MLAState | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, MLAState | None]:
+        num_tokens = x_TD.shape[0]
+        qk_dim = self.nope_dim + self.pe_dim
+        q = self.q_proj(x_TD) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q = q.view(num_tokens, self.num_heads, qk_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.kv_rank, self.pe_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        if state is None:
+            k, v = self._expand(latent, k_pe)
+            o = varlen_causal_attention(q, k, v, cu_seqlens, self.scale)
+            new_state = None
+            if use_cache:
+                bounds = cu_seqlens.tolist()
+                new_state = MLAState(latent=[latent[s:e] for s, e in zip(bounds[:-1], bounds[1:])],
+                                     k_pe=[k_pe[s:e] for s, e in zip(bounds[:-1], bounds[1:])])
+        else:
+            o, new_state = self._attend_with_cache(q, latent, k_pe, cu_seqlens, state)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x_TD)).view(num_tokens, self.num_heads, self.v_dim)
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_dim)), new_state if use_cache else None
+
+    def _attend_with_cache(self, q_THE: torch.Tensor, latent_TR: torch.Tensor, k_pe_TP: torch.Tensor,
+                           cu_seqlens: torch.Tensor, state: MLAState) -> tuple[torch.Tensor, MLAState]:
+        """Appends each sequence's new latents to its cache and attends its new queries over the whole sequence."""
+        bounds = cu_seqlens.tolist()
+        outs, latents, k_pes = [], [], []
+        for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            latent = torch.cat([state.latent[i], latent_TR[s:e]])
+            k_pe = torch.cat([state.k_pe[i], k_pe_TP[s:e]])
+            latents.append(latent)
+            k_pes.append(k_pe)
+            k, v = self._expand(latent, k_pe)
+            new, total = e - s, latent.shape[0]
+            # query j (0-based among the new tokens) sits at position total − new + j and sees keys up to it
+            visible = (torch.arange(total, device=q_THE.device)[None, :]
+                       <= (total - new + torch.arange(new, device=q_THE.device))[:, None])
+            o = F.scaled_dot_product_attention(q_THE[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], attn_mask=visible, scale=self.scale)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs), MLAState(latent=latents, k_pe=k_pes)

@@ -1,0 +1,304 @@
+"""HybridMoEForCausalLM: the Kimi K3-family policy model (KDA + gated MLA, MoE, Block AttnRes).
+
+Legend: B = batch rows, T = tokens (packed over all sequences), N = sequences, D = hidden, V = vocabulary,
+L = MoE layers, K = experts per token.
+
+Every layer works on packed tokens [T, D] with `cu_seqlens` ([N+1] offsets): a [B, T] batch is packed as B equal
+sequences, so training on packed variable-length sequences and plain batches share one code path, and nothing
+crosses a sequence boundary (KDA state, convolution, MLA attention).
+
+For training, `forward(..., target_ids=...)` returns per-token log-probabilities of the targets computed chunk by
+chunk with recomputation in the backward pass, so the [T, V] logits of a long sequence never exist at once.
+
+The model never imports torch.distributed: sharding and the bias all-reduce live in the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
+from agentrl.model.cache import HybridCache
+from agentrl.model.config import HybridMoEConfig
+from agentrl.model.kda import KimiDeltaAttention
+from agentrl.model.layers import MLP, RMSNorm
+from agentrl.model.mla import GatedMLA
+from agentrl.model.moe import SparseMoE
+
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+@dataclass(kw_only=True)
+class HybridOutput:
+    logits: torch.Tensor | None = None  # [B, T, V] or [T, V] (packed input)
+    token_logprobs: torch.Tensor | None = None  # [B, T] or [T]: log p(target_t | tokens ≤ t)
+    entropy: torch.Tensor | None = None  # same shape: entropy of the next-token distribution
+    hidden_states: torch.Tensor | None = None  # final-norm hidden states
+    cache: HybridCache | None = None
+    routed_experts: torch.Tensor | None = None  # [T, L, K] int: experts chosen per token per MoE layer
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: HybridMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = SparseMoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                           config.activation_situ_beta, config.activation_situ_linear_beta)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.use_attn_res = config.attn_res_block_size is not None
+        if self.use_attn_res:
+            self.self_attention_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.self_attention_res_proj = attn_res_query(config.hidden_size)
+            self.mlp_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res_proj = attn_res_query(config.hidden_size)
+
+    def attention(self, h_TD, cu_seqlens, cache: HybridCache | None, use_cache: bool) -> torch.Tensor:
+        state = None if cache is None else cache.layers[self.layer_idx]
+        out, new_state = self.self_attn(self.input_layernorm(h_TD), cu_seqlens, state, use_cache)
+        if use_cache:
+            cache.layers[self.layer_idx] = new_state
+        return out
+
+    def feed_forward(self, h_TD, forced_experts_TK) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h_TD = self.post_attention_layernorm(h_TD)
+        if self.is_moe:
+            return self.block_sparse_moe(h_TD, forced_experts_TK)
+        return self.mlp(h_TD), None
+
+
+class HybridMoEModel(nn.Module):
+    def __init__(self, config: HybridMoEConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_res_block_size = config.attn_res_block_size
+        if self.attn_res_block_size is not None:
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.output_attn_res_proj = attn_res_query(config.hidden_size)
+        self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
+        self.gradient_checkpointing = False
+
+    def _run(self, fn, *args):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, cache: HybridCache | None = None,
+                use_cache: bool = False, forced_experts_TLK: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed tokens → final-norm hidden states [T, D] and the routed experts [T, L, K] (None without MoE)."""
+        x = self.embed_tokens(input_ids_T)
+        routed: list[torch.Tensor] = []
+        moe_slot = {layer_id: i for i, layer_id in enumerate(self.moe_layer_ids)}
+        blocks = BlockState(x, self.attn_res_block_size) if self.attn_res_block_size is not None else None
+        for layer in self.layers:
+            forced = None
+            if forced_experts_TLK is not None and layer.is_moe:
+                forced = forced_experts_TLK[:, moe_slot[layer.layer_idx]]
+            attn = lambda h, layer=layer: layer.attention(h, cu_seqlens, cache, use_cache)  # noqa: E731
+            ffn = lambda h, f=forced, layer=layer: layer.feed_forward(h, f)  # noqa: E731
+            if blocks is None:
+                x = x + self._run(attn, x)
+                out, experts = self._run(ffn, x)
+                x = x + out
+            else:
+                sources = blocks.before_attention(layer.layer_idx)
+                h = attn_res_mix(sources, layer.self_attention_res_norm, layer.self_attention_res_proj)
+                sources = blocks.after_attention(layer.layer_idx, self._run(attn, h))
+                h = attn_res_mix(sources, layer.mlp_res_norm, layer.mlp_res_proj)
+                out, experts = self._run(ffn, h)
+                blocks.after_mlp(out)
+            if experts is not None:
+                routed.append(experts)
+        if blocks is not None:
+            x = attn_res_mix(blocks.final_sources(), self.output_attn_res_norm, self.output_attn_res_proj)
+        if cache is not None and use_cache:
+            cache.seq_lens = cache.seq_lens + (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
+        return self.norm(x), (torch.stack(routed, dim=1) if routed else None)
+
+
+class HybridMoEPreTrainedModel(PreTrainedModel):
+    config_class = HybridMoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            if getattr(module, "_zero_init", False):
+                module.weight.zero_()
+            else:
+                module.weight.normal_(0.0, std)
+        elif isinstance(module, nn.Conv1d):
+            # depthwise short convolution: fan-in is the width
+            bound = module.weight.shape[-1] ** -0.5
+            module.weight.uniform_(-bound, bound)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiDeltaAttention):
+            module.o_norm.weight.fill_(1.0)
+            module.reset_gate_parameters()
+        elif module.__class__.__name__ == "Router":
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif module.__class__.__name__ == "RoutedExperts":
+            module.w13_weight.normal_(0.0, std)
+            module.w2_weight.normal_(0.0, std)
+
+
+class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
+    def __init__(self, config: HybridMoEConfig):
+        super().__init__(config)
+        self.model = HybridMoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.out_features == 1:
+                module._zero_init = True  # AttnRes queries start at zero: a uniform mix of the sources
+        self.post_init()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    @property
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                cache: HybridCache | None = None, use_cache: bool = False,
+                target_ids: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
+                forced_experts: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                return_hidden: bool = False) -> HybridOutput:
+        """Runs the model on a [B, T] batch or on packed 1-D tokens with `cu_seqlens`.
+
+        Args:
+            target_ids: same shape as input_ids; when given, returns `token_logprobs` (and `entropy` if asked) of
+                logits/temperature instead of logits.
+            cache / use_cache: continue and/or record decoding state (see HybridCache).
+            forced_experts: [T, L, K] experts to use in the MoE layers (routing replay), T in packed order.
+            logits_to_keep: only the last n positions of each row get logits (generation).
+        """
+        batched = input_ids.dim() == 2
+        if batched:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens goes with packed 1-D input_ids; got a 2-D batch")
+            rows, length = input_ids.shape
+            cu_seqlens = torch.arange(0, rows * length + 1, length, device=input_ids.device, dtype=torch.int32)
+            flat_ids = input_ids.reshape(-1)
+        else:
+            if cu_seqlens is None:
+                cu_seqlens = torch.tensor([0, input_ids.numel()], device=input_ids.device, dtype=torch.int32)
+            flat_ids = input_ids
+        if int(cu_seqlens[-1]) != flat_ids.numel():
+            raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are {flat_ids.numel()} tokens")
+        if use_cache and cache is None:
+            cache = HybridCache.empty(self.config.num_hidden_layers, cu_seqlens.numel() - 1)
+        hidden, routed = self.model(flat_ids, cu_seqlens, cache, use_cache, forced_experts)
+        out = HybridOutput(cache=cache if use_cache else None, routed_experts=routed,
+                           hidden_states=hidden if return_hidden else None)
+        unflatten = (lambda t: t.view(rows, length, *t.shape[1:])) if batched else (lambda t: t)
+        if target_ids is not None:
+            flat_targets = target_ids.reshape(-1)
+            logprobs, entropy = chunked_token_logprobs(hidden, self.lm_head.weight, flat_targets, temperature,
+                                                       return_entropy)
+            out.token_logprobs = unflatten(logprobs)
+            out.entropy = unflatten(entropy) if entropy is not None else None
+            return out
+        if logits_to_keep is not None:
+            ends = cu_seqlens[1:].long()
+            keep = torch.cat([torch.arange(int(e) - logits_to_keep, int(e)) for e in ends]).to(hidden.device)
+            logits = self.lm_head(hidden[keep])
+            out.logits = logits.view(-1, logits_to_keep, logits.shape[-1]) if batched else logits
+        else:
+            out.logits = unflatten(self.lm_head(hidden))
+        return out
+
+    @torch.no_grad()
+    def generate_tokens(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sampling with the decoding cache (greedy at temperature 0), for tests and evaluation. [B, T+new]"""
+        out = self(input_ids, use_cache=True, logits_to_keep=1)
+        cache, tokens = out.cache, [input_ids]
+        logits = out.logits[:, -1]
+        for _ in range(max_new_tokens):
+            if temperature == 0.0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)
+            tokens.append(nxt)
+            out = self(nxt, cache=cache, use_cache=True)
+            logits = out.logits[:, -1]
+        return torch.cat(tokens, dim=1)
+
+    @torch.no_grad()
+    def update_expert_bias(self, all_reduce=None) -> dict[str, float]:
+        """Applies each MoE layer's balancer after an optimizer step; returns max/mean expert load per layer."""
+        loads = {}
+        for layer_id, moe in zip(self.model.moe_layer_ids, self.moe_layers):
+            moe.gate.update_bias(all_reduce)
+            stats = moe.gate.balancer.last_stats
+            if stats is not None:
+                loads[f"layer{layer_id}"] = stats.max_over_mean
+        return loads
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active) parameters; active counts only top-K of the E routed experts per token."""
+        total = sum(p.numel() for p in self.parameters())
+        inactive = 0
+        for moe in self.moe_layers:
+            routed = moe.experts.w13_weight.numel() + moe.experts.w2_weight.numel()
+            inactive += routed - routed * moe.gate.top_k // moe.gate.num_experts
+        return total, total - inactive
+
+
+def chunked_token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
+                           temperature: float = 1.0, return_entropy: bool = False,
+                           chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(h W^T / τ)[target] per token, chunked over tokens and recomputed in backward.
+
+    Peak memory holds one chunk's [chunk, V] logits instead of [T, V]. Returns fp32 log-probs [T] (and entropy).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+
+    def piece(h, t):
+        logits = F.linear(h, weight_VD).float() / temperature
+        logz = torch.logsumexp(logits, -1)
+        lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz
+        if not return_entropy:
+            return lp, None
+        probs = torch.softmax(logits, -1)
+        return lp, logz - (probs * logits).sum(-1)
+
+    logprobs, entropies = [], []
+    for start in range(0, hidden_TD.shape[0], chunk_tokens):
+        h, t = hidden_TD[start:start + chunk_tokens], targets_T[start:start + chunk_tokens]
+        if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
+            lp, ent = checkpoint(piece, h, t, use_reentrant=False)
+        else:
+            lp, ent = piece(h, t)
+        logprobs.append(lp)
+        if ent is not None:
+            entropies.append(ent)
+    return torch.cat(logprobs), (torch.cat(entropies) if return_entropy else None)

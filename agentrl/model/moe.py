@@ -1,0 +1,155 @@
+"""Fine-grained MoE with a sigmoid router, a selection-only bias, shared experts and optional latent experts.
+
+Legend: T = tokens, D = hidden, M = expert width (D, or routed_expert_hidden_size for latent MoE), E = routed
+experts, K = experts per token, I = expert intermediate size.
+
+Routing: s = σ(W_r x) in fp32. The bias b (`e_score_correction_bias`, set by the load balancer) only *selects*:
+T_i = top-K(s_i + b) (within the top groups when grouped). The gate weights never see it: p_ij = s_ij / Σ_{r∈T_i} s_ir
+(when `moe_renormalize`), times `routed_scaling_factor`.
+
+    y = up(norm(Σ_j p_ij · E_j(down(x))))  +  shared(x)      (latent MoE: down/up to width M; else identity)
+
+Dispatch is grouped by expert: the K·T (token, expert) pairs are sorted by expert and each expert's rows go through
+one matmul (`torch._grouped_mm` on CUDA: one kernel for all experts; on CPU a split over the experts present).
+
+Routing replay: `forced_experts_TK` makes the layer use the given experts (e.g. those the inference engine chose)
+instead of its own top-K; the gate weights are still computed from this forward's scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrl.model.balancing import ExpertBalancer
+from agentrl.model.config import HybridMoEConfig
+from agentrl.model.layers import MLP, RMSNorm, glu
+
+
+class Router(nn.Module):
+    """Sigmoid router with a selection bias updated by an ExpertBalancer (never by gradients)."""
+
+    def __init__(self, config: HybridMoEConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_token
+        self.num_groups = config.num_expert_group if config.use_grouped_topk else 1
+        self.topk_groups = config.topk_group if config.use_grouped_topk else 1
+        self.renormalize = config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.balancer = ExpertBalancer(num_experts=self.num_experts, top_k=self.top_k, method=config.moe_balancing,
+                                       num_bins=config.moe_balancing_bins, sign_rate=config.moe_balancing_sign_rate)
+
+    def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Top-K experts of the biased scores, restricted to the best groups when grouped. [T, K]"""
+        biased = scores_TE + self.e_score_correction_bias
+        if self.num_groups > 1:
+            per_group = self.num_experts // self.num_groups
+            group_scores = biased.view(-1, self.num_groups, per_group).topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(self.topk_groups, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            biased = biased.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
+        return biased.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (gate weights [T, K] fp32, expert ids [T, K])."""
+        scores = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
+        with torch.no_grad():
+            topk_idx = self.select(scores)
+        if self.training:
+            self.balancer.observe(scores.detach(), self.e_score_correction_bias, topk_idx)
+        if forced_experts_TK is not None:
+            if forced_experts_TK.shape != topk_idx.shape:
+                raise ValueError(f"forced experts have shape {tuple(forced_experts_TK.shape)}, "
+                                 f"expected {tuple(topk_idx.shape)} (tokens, top_k)")
+            topk_idx = forced_experts_TK.to(device=scores.device, dtype=torch.long)
+        weights = scores.gather(1, topk_idx)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, topk_idx
+
+    @torch.no_grad()
+    def update_bias(self, all_reduce=None) -> None:
+        """Applies the balancer's bias for the next step (call after the optimizer step)."""
+        new_bias = self.balancer.update(self.e_score_correction_bias, all_reduce)
+        if new_bias is not None:
+            self.e_score_correction_bias.copy_(new_bias)
+
+
+class RoutedExperts(nn.Module):
+    """E gated experts as stacked weights: w13 = [gate; up] [E, 2I, M], w2 = down [E, M, I]."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int, act: str,
+                 situ_beta: float | None = None, situ_linear_beta: float | None = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, width))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, width, intermediate))
+        self.act, self.situ_beta, self.situ_linear_beta = act, situ_beta, situ_linear_beta
+
+    def forward(self, x_TM: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = experts_TK.shape
+        flat = experts_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        xs = x_TM[token_of]
+        h = grouped_matmul(xs, self.w13_weight, counts)
+        h = glu(h, self.act, self.situ_beta, self.situ_linear_beta)
+        out = grouped_matmul(h, self.w2_weight, counts)
+        out = out * weights_TK.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(x_TM).index_add_(0, token_of, out)
+
+
+def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by expert, times each expert's weight transposed: y[rows of e] = x[rows of e] @ w[e]ᵀ.
+
+    On CUDA (bf16) one `torch._grouped_mm` call; elsewhere a split over the experts that received rows (its backward
+    on CPU rejects the broadcast gradients autograd produces, and the split is as fast there).
+    """
+    if x_SK.is_cuda and hasattr(torch, "_grouped_mm") and x_SK.dtype == torch.bfloat16:
+        offsets = torch.cumsum(counts_E, 0).to(torch.int32)
+        return torch._grouped_mm(x_SK, w_ENK.transpose(1, 2), offs=offsets)
+    parts = torch.split(x_SK, counts_E.tolist())
+    outs = [part @ w_ENK[e].t() for e, part in enumerate(parts) if part.shape[0]]
+    if not outs:
+        return x_SK.new_zeros(0, w_ENK.shape[1])
+    return torch.cat(outs)
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (optionally latent) + shared experts. Checkpoint name: `block_sparse_moe`."""
+
+    def __init__(self, config: HybridMoEConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        width = config.routed_expert_hidden_size or hidden
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config.num_experts, width, config.moe_intermediate_size, config.hidden_act,
+                                     config.activation_situ_beta, config.activation_situ_linear_beta)
+        self.shared_experts = (MLP(hidden, config.moe_intermediate_size * config.num_shared_experts,
+                                   config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta)
+                               if config.num_shared_experts else None)
+        self.latent = config.routed_expert_hidden_size is not None
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(hidden, width, bias=False)
+            self.routed_expert_norm = RMSNorm(width, config.rms_norm_eps) if config.latent_moe_use_norm else None
+            self.routed_expert_up_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output [T, D] and the experts used [T, K] (for routing capture)."""
+        weights, experts = self.gate(x_TD, forced_experts_TK)
+        routed_in = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        routed = self.experts(routed_in, weights, experts)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                routed = self.routed_expert_norm(routed)
+            routed = self.routed_expert_up_proj(routed)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x_TD)
+        return routed, experts
