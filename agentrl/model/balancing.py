@@ -6,9 +6,16 @@ The router selects experts by the *biased* scores s + b and weights them by the 
 load without entering the gradient or the gate weights. Each optimizer step the bias is recomputed:
 
 **Quantile Balancing** (Kimi K3 §2.3.3; J. Su, "MoE环游记 6"). Token i picks expert j when s_ij + b_j beats the
-token's threshold α_i, the (K+1)-th largest biased score. For every expert to be chosen by the fraction K/E of the
-tokens, b̂_j = −quantile_{1−K/E}(s_{:,j} − α) over the step's tokens, and b = b̂ − mean(b̂). The update has no learning
-rate; the new bias applies from the next step and is frozen at inference.
+best score among the *other* experts that would still make the top-K: α_ij = the K-th largest biased score of the
+other experts, which from the token's top-(K+1) biased scores is the (K+1)-th when j is selected and the K-th when it
+is not. For every expert to be chosen by the fraction K/E of the tokens, b̂_j = −quantile_{1−K/E}(s_{:,j} − α_{:,j})
+over the step's tokens, and b = b̂ − mean(b̂). The update has no learning rate; the new bias applies from the next step
+and is frozen at inference.
+
+(DESIGN.md states α_i = the (K+1)-th biased score for every expert. For an unselected expert that threshold is too
+low: to enter the top-K it must displace the K-th, not the (K+1)-th, which is often itself. With that form the
+closed-form update overshoots and, on a strongly skewed router, oscillates at max/mean load ≈ 2; with the per-expert
+threshold it settles near 1.05 in a few steps (tests/unit/model/test_moe_and_balancing.py).)
 
 Across ranks the quantile comes from per-expert histograms of s_ij − α_i over a fixed range, summed by one
 all-reduce (a sum of histograms is the histogram of the union). The quantile is read from the cumulative histogram by
@@ -38,18 +45,22 @@ class BalancingStats:
     max_over_mean: float  # max_j load_j / mean_j load_j; 1.0 is perfect balance
 
 
-def selection_threshold(biased_scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """α_i: the (K+1)-th largest biased score of each token, shape [T]."""
+def competitor_threshold(biased_scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """α_ij: the K-th largest biased score among the experts other than j, shape [T, E].
+
+    From the top-(K+1) biased scores: the (K+1)-th for the selected experts, the K-th for the others.
+    """
     num_experts = biased_scores_TE.shape[-1]
     if top_k >= num_experts:
         raise ValueError(f"top_k={top_k} must be smaller than the number of experts {num_experts}")
-    return biased_scores_TE.topk(top_k + 1, dim=-1).values[:, -1]
+    top = biased_scores_TE.topk(top_k + 1, dim=-1)
+    selected_TE = torch.zeros_like(biased_scores_TE, dtype=torch.bool).scatter_(1, top.indices[:, :top_k], True)
+    return torch.where(selected_TE, top.values[:, top_k, None], top.values[:, top_k - 1, None])
 
 
 def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
     """The centred Quantile Balancing bias computed from the exact quantile (the reference for the histograms)."""
-    alpha_T = selection_threshold(scores_TE + bias_E, top_k)
-    margins_TE = scores_TE - alpha_T[:, None]
+    margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E, top_k)
     q = 1.0 - top_k / scores_TE.shape[-1]
     b_hat_E = -torch.quantile(margins_TE.double(), q, dim=0, interpolation="linear").to(scores_TE.dtype)
     return b_hat_E - b_hat_E.mean()
@@ -123,8 +134,7 @@ class ExpertBalancer:
         if self.range is None:
             self.range = self._margin_range(bias_E)
         lo, hi = self.range
-        alpha_T = selection_threshold(scores_TE + bias_E.float(), self.top_k)
-        margins_TE = scores_TE - alpha_T[:, None]
+        margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E.float(), self.top_k)
         bins_TE = ((margins_TE - lo) * (self.num_bins / (hi - lo))).long().clamp_(0, self.num_bins - 1)
         flat = (bins_TE + torch.arange(self.num_experts, device=device) * self.num_bins).reshape(-1)
         hist = torch.bincount(flat, minlength=self.num_experts * self.num_bins).view(self.num_experts, self.num_bins)

@@ -83,6 +83,8 @@ class HybridMoEConfig(PretrainedConfig):
         attn_res_block_size: int | None = None,
         num_nextn_predict_layers: int = 0,
         max_position_embeddings: int = 1048576,
+        # KDA's per-head output norm: vLLM's K3 kernels fix eps at 1e-5 (transformers' port uses rms_norm_eps)
+        kda_output_norm_eps: float = 1e-5,
         # agentrl training knobs (ignored by vLLM)
         moe_balancing: str = "quantile",
         moe_balancing_bins: int = 4096,
@@ -139,6 +141,7 @@ class HybridMoEConfig(PretrainedConfig):
         self.attn_res_block_size = attn_res_block_size
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.max_position_embeddings = max_position_embeddings
+        self.kda_output_norm_eps = kda_output_norm_eps
         self.moe_balancing = moe_balancing
         self.moe_balancing_bins = moe_balancing_bins
         self.moe_balancing_sign_rate = moe_balancing_sign_rate
@@ -223,6 +226,8 @@ class HybridMoEConfig(PretrainedConfig):
             raise bad("moe_balancing", self.moe_balancing, f"must be one of {BALANCING_METHODS}")
         if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
             raise bad("attn_res_block_size", self.attn_res_block_size, "must be None (plain residuals) or >= 1 layer")
+        if self.tie_word_embeddings:
+            raise bad("tie_word_embeddings", True, "vLLM's Kimi loader always reads a separate lm_head.weight")
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad("num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
 
@@ -264,14 +269,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                                 short_conv_kernel_size=4, gate_lower_bound=None, use_full_rank_gate=False),
     ),
     # Kimi K3: 93 layers (69 KDA + 24 MLA), hidden 7168, 896 routed experts top-16, 2 shared, expert hidden 3072,
-    # latent width 3584, vocab 160K; 2.78T total / 104.2B active.
+    # latent width 3584, vocab 160K; 2.78T total / 104.2B active. The head counts are not published with those
+    # figures: 96 KDA heads and 80 MLA heads of 128 reproduce both totals (2778.3B / 104.17B, tests/unit).
     "k3": dict(
-        vocab_size=163840, hidden_size=7168, intermediate_size=18432, num_hidden_layers=93, num_attention_heads=64,
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, num_hidden_layers=93, num_attention_heads=80,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
         routed_expert_hidden_size=3584, latent_moe_use_norm=True, first_k_dense_replace=1,
         routed_scaling_factor=2.5, hidden_act="situ", activation_situ_beta=1.0, attn_res_block_size=8,
-        linear_attn_config=dict(_layout(93, 4), num_heads=64, head_dim=128, short_conv_kernel_size=4,
+        linear_attn_config=dict(_layout(93, 4), num_heads=96, head_dim=128, short_conv_kernel_size=4,
                                 gate_lower_bound=-5.0, use_full_rank_gate=True),
     ),
 }

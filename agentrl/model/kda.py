@@ -36,7 +36,7 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = config.kda_head_dim
         self.conv_size = config.kda_conv_size
         self.lower_bound = config.gate_lower_bound
-        self.norm_eps = config.rms_norm_eps
+        self.norm_eps = config.kda_output_norm_eps
         hidden, proj = config.hidden_size, self.num_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, proj, bias=False)
         self.k_proj = nn.Linear(hidden, proj, bias=False)

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
 from agentrl.model.cache import HybridCache
+from agentrl.model.checkpoint import load_checkpoint_tensors, load_state_into, save_checkpoint
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.kda import KimiDeltaAttention
 from agentrl.model.layers import MLP, RMSNorm
@@ -168,12 +169,27 @@ class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
         super().__init__(config)
         self.model = HybridMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.out_features == 1:
                 module._zero_init = True  # AttnRes queries start at zero: a uniform mix of the sources
         self.post_init()
+
+    def save_pretrained(self, save_directory: str, **_ignored) -> list[str]:
+        """Writes config.json and safetensors in the Kimi Linear / K3 checkpoint layout (see checkpoint.py)."""
+        return save_checkpoint(self, save_directory)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None, **config_overrides) -> HybridMoEForCausalLM:
+        """Loads a checkpoint written by save_pretrained (or any checkpoint in that layout), strictly."""
+        config = HybridMoEConfig.from_pretrained(path, **config_overrides)
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device or "cpu")
+        load_state_into(model, load_checkpoint_tensors(path))
+        if dtype is not None:
+            model = model.to(dtype)
+        return model
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         self.model.gradient_checkpointing = True

@@ -1,0 +1,89 @@
+"""Building blocks against naive references: short convolution with carried state, varlen attention, AttnRes."""
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
+from agentrl.model.layers import RMSNorm, glu, short_conv
+from agentrl.model.mla import varlen_causal_attention
+
+
+def conv_reference(x_TC, w_C1W, prev_CW):
+    """One sequence through nn.functional.conv1d with the carried inputs prepended."""
+    ext = torch.cat([prev_CW.t(), x_TC])  # [W-1+T, C]
+    y = F.conv1d(ext.t()[None], w_C1W, groups=w_C1W.shape[0])[0].t()
+    return F.silu(y), ext[-(w_C1W.shape[-1] - 1):].t()
+
+
+def test_short_conv_matches_conv1d_per_sequence_with_state():
+    torch.manual_seed(0)
+    C, W = 6, 4
+    lengths = [1, 2, 5, 9]
+    x = torch.randn(sum(lengths), C)
+    w = torch.randn(C, 1, W)
+    prev = torch.randn(len(lengths), C, W - 1)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    y, final = short_conv(x, w, cu, prev)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref_y, ref_state = conv_reference(x[s:e], w, prev[i])
+        torch.testing.assert_close(y[s:e], ref_y, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(final[i], ref_state)
+    # without a state: zeros before every sequence, so nothing leaks from the previous sequence
+    y0, _ = short_conv(x, w, cu)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        torch.testing.assert_close(y0[s:e], conv_reference(x[s:e], w, torch.zeros(C, W - 1))[0], atol=1e-6,
+                                   rtol=1e-5)
+
+
+def test_varlen_attention_equals_per_sequence_attention():
+    torch.manual_seed(0)
+    lengths = [3, 1, 12]
+    q, k = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    v = torch.randn(16, 2, 5)
+    cu = torch.tensor([0, 3, 4, 16])
+    out = varlen_causal_attention(q, k, v, cu, scale=0.3)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        scores = torch.einsum("thd,shd->hts", q[s:e], k[s:e]) * 0.3
+        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        ref = torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1), v[s:e])
+        torch.testing.assert_close(out[s:e], ref, atol=1e-6, rtol=1e-5)
+
+
+def test_attn_res_with_zero_queries_averages_its_sources_uniformly():
+    torch.manual_seed(0)
+    sources = [torch.randn(7, 16) * scale for scale in (1.0, 5.0, 0.1)]
+    norm, query = RMSNorm(16), attn_res_query(16)
+    assert torch.count_nonzero(query.weight) == 0
+    torch.testing.assert_close(attn_res_mix(sources, norm, query), sum(sources) / 3)
+    with torch.no_grad():
+        query.weight.fill_(1.0)
+    assert not torch.allclose(attn_res_mix(sources, norm, query), sum(sources) / 3)
+
+
+def test_block_state_follows_the_k3_block_layout():
+    """Blocks of 2 layers: block 0 = embedding, block 1 = all outputs of layers 0-1, partial = layers 2.. ."""
+    emb = torch.full((1, 1), 1.0)
+    state = BlockState(emb, block_size=2)
+    outs = {}
+    for layer in range(3):
+        srcs = state.before_attention(layer)
+        outs[(layer, "attn_sources")] = [s.item() for s in srcs]
+        attn = torch.full((1, 1), 10.0 ** (2 * layer + 1))
+        srcs = state.after_attention(layer, attn)
+        outs[(layer, "mlp_sources")] = [s.item() for s in srcs]
+        state.after_mlp(torch.full((1, 1), 10.0 ** (2 * layer + 2)))
+    assert outs[(0, "attn_sources")] == [1.0]
+    assert outs[(0, "mlp_sources")] == [1.0, 10.0]
+    assert outs[(1, "attn_sources")] == [1.0, 110.0]
+    # layer 2 closes block 1 (everything layers 0-1 wrote); it is read once, as the last source
+    assert outs[(2, "attn_sources")] == [1.0, 11110.0]
+    assert outs[(2, "mlp_sources")] == [1.0, 11110.0, 1e5]  # layer 2's attention output starts block 2
+    assert [s.item() for s in state.final_sources()] == [1.0, 11110.0, 1e5 + 1e6]
+
+
+def test_situ_glu_formula():
+    gate_up = torch.randn(5, 8)
+    g, u = gate_up.chunk(2, -1)
+    expected = 2.0 * torch.tanh(g / 2.0) * torch.sigmoid(g) * (3.0 * torch.tanh(u / 3.0))
+    torch.testing.assert_close(glu(gate_up, "situ", 2.0, 3.0), expected)
+    torch.testing.assert_close(glu(gate_up, "silu"), F.silu(g) * u)

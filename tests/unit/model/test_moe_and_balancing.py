@@ -1,0 +1,153 @@
+"""MoE routing (selection-only bias, grouped dispatch, routing replay) and Quantile Balancing."""
+
+import pytest
+import torch
+
+from agentrl.model.balancing import ExpertBalancer, exact_quantile_bias, histogram_quantile
+from agentrl.model.config import preset_config
+from agentrl.model.moe import Router, SparseMoE, grouped_matmul
+
+
+def skewed_router(num_experts=16, top_k=2, method="quantile", hidden=32) -> Router:
+    cfg = preset_config("tiny", hidden_size=hidden, num_experts=num_experts, num_experts_per_token=top_k,
+                        moe_balancing=method, moe_balancing_sign_rate=0.02)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, std=0.3)
+    with torch.no_grad():
+        router.weight[:3] += 0.25  # three experts score high for every token: a heavily skewed router
+    return router.train()
+
+
+def load_ratio(router: Router, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        _, idx = router(x)
+    load = torch.bincount(idx.reshape(-1), minlength=router.num_experts).float()
+    return (load.max() / load.mean()).item()
+
+
+def test_quantile_balancing_flattens_a_skewed_router_within_a_few_steps():
+    torch.manual_seed(0)
+    router = skewed_router()
+    x = lambda: torch.randn(16384, 32) + 0.5  # noqa: E731  (a shared mean makes the skew systematic)
+    ratios = [load_ratio(router, x())]
+    for _ in range(4):
+        router(x())  # a training step's forward: the balancer observes
+        router.update_bias()
+        ratios.append(load_ratio(router, x()))
+    assert ratios[0] > 3.0, ratios
+    assert ratios[-1] < 1.1, ratios
+    assert abs(router.e_score_correction_bias.mean().item()) < 1e-6  # b = b̂ − mean(b̂)
+
+
+def test_sign_rule_variant_reduces_the_skew():
+    torch.manual_seed(0)
+    router = skewed_router(method="sign")
+    x = torch.randn(2048, 32) + 0.5
+    before = load_ratio(router, x)
+    for _ in range(60):
+        router(x)
+        router.update_bias()
+    assert load_ratio(router, x) < 0.6 * before
+
+
+def test_bias_selects_but_never_enters_the_gate_weights():
+    torch.manual_seed(0)
+    router = skewed_router().eval()
+    x = torch.randn(64, 32)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, 16))
+        weights, idx = router(x)
+        scores = torch.sigmoid(x @ router.weight.t())
+        picked = scores.gather(1, idx)
+        torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * router.scaling)
+        assert torch.equal(idx.sort(-1).values, (scores + router.e_score_correction_bias).topk(2).indices.sort(-1).values)
+        # the bias moved the selection away from the unbiased top-k for some tokens
+        assert not torch.equal(idx.sort(-1).values, scores.topk(2).indices.sort(-1).values)
+
+
+def test_histogram_quantile_matches_the_exact_quantile_and_sums_across_ranks():
+    torch.manual_seed(0)
+    scores = torch.sigmoid(torch.randn(3000, 12) * 1.5 + torch.linspace(-1, 1, 12))
+    bias = torch.randn(12) * 0.1
+    exact = exact_quantile_bias(scores, bias, top_k=3)
+    whole = ExpertBalancer(num_experts=12, top_k=3, num_bins=4096)
+    ranks = [ExpertBalancer(num_experts=12, top_k=3, num_bins=4096) for _ in range(2)]
+    idx = scores.topk(3).indices
+    whole.observe(scores, bias, idx)
+    for rank, part in zip(ranks, torch.chunk(torch.arange(3000), 2)):
+        rank.observe(scores[part], bias, idx[part])
+    lo, hi = whole.range
+    bin_width = (hi - lo) / 4096
+    from_hist = whole.update(bias)
+    assert (from_hist - exact).abs().max() < 2 * bin_width
+    # two ranks: the all-reduce sums rank 1's packed histogram into rank 0's
+    packed_other = torch.cat([ranks[1].hist_EB.reshape(-1), ranks[1].load_E])
+    summed = ranks[0].update(bias, all_reduce=lambda t: t.add_(packed_other))
+    torch.testing.assert_close(summed, from_hist)
+    assert ranks[0].last_stats.load_E.sum() == 3000 * 3
+
+
+def test_histogram_quantile_interpolates_inside_a_bin():
+    hist = torch.tensor([[0.0, 10.0, 10.0, 0.0]])
+    assert histogram_quantile(hist, 0.0, 4.0, 0.5).item() == pytest.approx(2.0)
+    assert histogram_quantile(hist, 0.0, 4.0, 0.25).item() == pytest.approx(1.5)
+
+
+def test_balancer_rejects_bad_settings():
+    with pytest.raises(ValueError, match="balancing method"):
+        ExpertBalancer(num_experts=8, top_k=2, method="aux")
+    with pytest.raises(ValueError, match="top_k"):
+        ExpertBalancer(num_experts=8, top_k=8)
+
+
+def test_grouped_matmul_equals_a_per_expert_loop():
+    torch.manual_seed(0)
+    w = torch.randn(5, 6, 4)
+    counts = torch.tensor([3, 0, 4, 1, 2])
+    x = torch.randn(int(counts.sum()), 4)
+    ref = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in
+                     enumerate(zip([0, *counts.cumsum(0)[:-1].tolist()], counts.cumsum(0).tolist())) if e > s])
+    torch.testing.assert_close(grouped_matmul(x, w, counts), ref)
+
+
+def test_moe_equals_the_dense_sum_over_chosen_experts_and_replays_routing():
+    torch.manual_seed(0)
+    cfg = preset_config("tiny", routed_expert_hidden_size=24, latent_moe_use_norm=True)
+    moe = SparseMoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    moe.eval()
+    x = torch.randn(20, cfg.hidden_size)
+    with torch.no_grad():
+        y, experts = moe(x)
+        weights, idx = moe.gate(x)
+        z = moe.routed_expert_down_proj(x)
+        ref = torch.zeros_like(z)
+        for t in range(20):
+            for k in range(idx.shape[1]):
+                e = idx[t, k]
+                w1, w3 = moe.experts.w13_weight[e].chunk(2)
+                h = torch.nn.functional.silu(z[t] @ w1.t()) * (z[t] @ w3.t())
+                ref[t] += weights[t, k] * (h @ moe.experts.w2_weight[e].t())
+        ref = moe.routed_expert_up_proj(moe.routed_expert_norm(ref)) + moe.shared_experts(x)
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+        assert torch.equal(experts, idx)
+        # routing replay: forcing the captured experts reproduces the output; forcing others changes it
+        replay, used = moe(x, forced_experts_TK=experts)
+        torch.testing.assert_close(replay, y)
+        other = (experts + 1) % cfg.num_experts
+        changed, used = moe(x, forced_experts_TK=other)
+        assert torch.equal(used, other) and not torch.allclose(changed, y)
+        with pytest.raises(ValueError, match="forced experts"):
+            moe(x, forced_experts_TK=experts[:, :1])
+
+
+def test_model_level_routing_replay_reproduces_logits():
+    from tests.unit.model.conftest import tiny_model
+    model = tiny_model().eval()
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        out = model(ids)
+        replay = model(ids, forced_experts=out.routed_experts)
+    torch.testing.assert_close(replay.logits, out.logits)
+    assert out.routed_experts.shape == (32, len(model.moe_layers), model.config.num_experts_per_token)
