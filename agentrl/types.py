@@ -1,0 +1,147 @@
+"""The one record every part exchanges: a Trajectory (one episode of a policy in a tool environment).
+
+Tokens are kept exactly as generated (never decoded and re-tokenized): the prompt rendered once, then each assistant
+turn as the engine sampled it, then each tool observation as rendered by the chat template. Per-token arrays are all
+aligned with `tokens`:
+- `loss_mask[t]` is 1 only where the policy sampled token t;
+- `logprobs[t]` is the behaviour policy's log-probability of token t where sampled (after temperature/top-p), else 0;
+- `versions[t]` is the policy version that produced token t (−1 for prompt and tool tokens);
+- `routed_experts[t]` ([L, K] per token, optional) are the experts the engine's MoE layers chose while processing
+  token t, for routing replay in training.
+A trajectory that failed is data, not an exception: `status` says how it ended and `failure` which boundary failed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"  # the env terminated the episode (final answer)
+    TRUNCATED = "truncated"  # an outside limit ended it: env turn budget, token budget, model context
+    PARTIAL = "partial"  # paused by the iteration's token budget, to be resumed under a newer policy
+    ABORTED = "aborted"  # cancelled by the system (shutdown, worker restart before retry)
+    FAILED = "failed"  # a boundary failed; excluded from advantages
+
+
+class Boundary(str, enum.Enum):
+    """Where a failure happened (one per failed trajectory)."""
+
+    MODEL = "model"  # the engine (generation error, context overflow it could not handle)
+    ENV = "env"  # the environment's own code raised
+    TOOL = "tool"  # a tool the env ran failed in a way the system caused (time-out, crash)
+    SANDBOX = "sandbox"  # the code sandbox itself failed
+    WORKER = "worker"  # the rollout worker died
+
+
+@dataclass(kw_only=True)
+class Turn:
+    """A span of tokens for display: role is system/user/assistant/tool."""
+
+    role: str
+    start: int
+    end: int
+    text: str = ""
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    trajectory_id: str
+    task_id: str
+    group_id: str
+    env_id: str
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None  # [T, L, K] int16
+    prompt_length: int = 0
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    status: Status = Status.COMPLETED
+    failure: Boundary | None = None
+    error: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    num_tool_errors: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    env_state: bytes | None = None  # pickled env state, kept only while PARTIAL
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    # --- token bookkeeping ----------------------------------------------------------------------------------------
+    def append_prompt(self, token_ids: list[int]) -> None:
+        """Tokens the policy did not sample (prompt, tool observations, chat-template glue)."""
+        self.tokens.extend(token_ids)
+        self.loss_mask.extend([0] * len(token_ids))
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([-1] * len(token_ids))
+
+    def append_sampled(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} log-probabilities")
+        self.tokens.extend(token_ids)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.versions.extend([version] * len(token_ids))
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """The distinct policy versions that sampled this trajectory, in order."""
+        seen: list[int] = []
+        for v in self.versions:
+            if v >= 0 and (not seen or seen[-1] != v):
+                seen.append(v)
+        return seen
+
+    @property
+    def trainable(self) -> bool:
+        """Whether it may enter a policy-gradient batch (failed and aborted ones never do)."""
+        return self.status in (Status.COMPLETED, Status.TRUNCATED) and self.num_sampled > 0
+
+    def validate(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"trajectory {self.trajectory_id}: {name} has {len(getattr(self, name))} entries, "
+                                 f"tokens has {n}")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != n:
+            raise ValueError(f"trajectory {self.trajectory_id}: routed_experts covers "
+                             f"{self.routed_experts.shape[0]} tokens, tokens has {n}")
+
+    # --- serialisation (one flat row for Parquet) -------------------------------------------------------------------
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["status"] = self.status.value
+        row["failure"] = self.failure.value if self.failure else ""
+        row["routed_experts"] = (self.routed_experts.astype(np.int16).tobytes() if self.routed_experts is not None
+                                 else b"")
+        row["routed_experts_shape"] = list(self.routed_experts.shape) if self.routed_experts is not None else []
+        row["env_state"] = self.env_state or b""
+        for key in ("reward_components", "turns", "tool_calls", "timings", "metadata"):
+            row[key] = json.dumps(row[key], default=str)
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Trajectory:
+        row = dict(row)
+        shape = row.pop("routed_experts_shape", [])
+        raw = row.get("routed_experts") or b""
+        row["routed_experts"] = np.frombuffer(raw, dtype=np.int16).reshape(shape).copy() if shape else None
+        row["status"] = Status(row["status"])
+        row["failure"] = Boundary(row["failure"]) if row.get("failure") else None
+        row["env_state"] = row.get("env_state") or None
+        for key in ("reward_components", "turns", "tool_calls", "timings", "metadata"):
+            value = row.get(key)
+            row[key] = json.loads(value) if isinstance(value, str) else (value or {})
+        row["turns"] = [Turn(**t) for t in row["turns"]] if row["turns"] else []
+        row["tool_calls"] = row["tool_calls"] or []
+        return cls(**row)
