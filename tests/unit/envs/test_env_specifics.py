@@ -1,0 +1,104 @@
+"""Behaviour particular to each built-in env: DocSearch length tuning, KVChain horizon, PythonExec scoring."""
+
+import json
+
+import pytest
+
+from agentrl.envs import SandboxError, SandboxLimits, make, play
+from agentrl.envs.doc_search import CHARS_PER_TOKEN, render_document
+
+
+@pytest.mark.parametrize("context_tokens", [32_768, 262_144])
+def test_doc_search_trajectories_reach_the_token_target(context_tokens):
+    env = make("DocSearch-v0", num_tasks=2, context_tokens=context_tokens)
+    episode = play(env, env.oracle, seed=0)
+    tokens = episode.num_chars / CHARS_PER_TOKEN
+    assert episode.reward == 1.0
+    assert context_tokens <= tokens <= 1.6 * context_tokens, tokens
+    assert len(episode.messages) > 10  # many turns, each a long observation
+
+
+def test_doc_search_needs_paging_search_sees_only_titles():
+    env = make("DocSearch-v0", num_tasks=2, context_tokens=8192, page_chars=4000)
+    env.reset(seed=0)
+    task = env.task
+    docs = json.loads(task["docs"])
+    first = docs[json.loads(task["chain"])[0]]
+    name = first["title"].removeprefix("Dossier on Project ")
+    assert env.search(f"Project {name}").splitlines()[0].split("\t")[1] == first["title"]
+    assert env.search(task["answer"]) == "No dossiers match."  # the code is only in a document's body
+    text = render_document(task, 0)
+    assert len(text) >= task["doc_chars"] and text.count(docs[0]["fact"]) == 1
+    assert text.index(docs[0]["fact"]) > 0.5 * task["doc_chars"]
+    page = env.open_document("doc-000", 4000)
+    assert page.startswith("[doc-000: characters 4000-8000 of") and "next offset 8000" in page
+    assert page.endswith(text[4000:8000])
+
+
+def test_doc_search_open_reports_bad_ids_and_offsets_to_the_model():
+    env = make("DocSearch-v0", num_tasks=2, context_tokens=4096)
+    env.reset(seed=0)
+    for call in ['{"doc_id": "doc-999"}', '{"doc_id": "paper"}', '{"doc_id": "doc-000", "offset": 10000000}']:
+        obs, _, _, _, info = env.step(f'<tool_call>{{"name": "open", "arguments": {call}}}</tool_call>')
+        assert obs.count("Error: open:") == 1 and info["status"] == "running"
+
+
+@pytest.mark.parametrize("hops", [1, 4, 32])
+def test_kv_chain_needs_exactly_hops_lookups(hops):
+    env = make("KVChain-v0", num_tasks=3, hops=hops)
+    episode = play(env, env.oracle, seed=1)
+    assert episode.reward == 1.0
+    assert sum(len(info["tool_calls"]) for info in episode.infos) == hops
+    assert env.max_turns >= hops + 1
+    # Answering one hop early gives a key, not the value.
+    env.reset(seed=1)
+    chain = json.loads(env.task["chain"])
+    assert env.lookup(chain[-1]) == env.task["answer"]
+    if hops > 1:
+        assert env.lookup(chain[-2]) == chain[-1]
+
+
+@pytest.fixture(scope="module")
+def python_env():
+    return make("PythonExec-v0", num_tasks=30, limits=SandboxLimits(wall_s=3.0, cpu_s=1.0))
+
+
+def test_python_exec_partial_credit_is_logged_not_rewarded(python_env):
+    env = python_env
+    index = next(i for i in range(len(env.tasks)) if env.tasks[i]["function"] == "sum_above")
+    env.reset(options={"task_index": index})
+    wrong = "def sum_above(xs):\n    return sum(x for x in xs if x > 0)\n"  # right shape, wrong threshold
+    tests = json.loads(env.task["tests"])
+    expected_fraction = sum(sum(x for x in a[0] if x > 0) == e for a, e in tests) / len(tests)
+    _, reward, terminated, _, info = env.step(f"<answer>{wrong}</answer>")
+    assert terminated and reward == float(expected_fraction == 1.0)
+    assert info["reward_components"]["tests_passed"] == pytest.approx(expected_fraction)
+
+
+@pytest.mark.parametrize("answer", ["def broken(:\n", "import sys\nsys.exit(0)\n", "while True:\n    pass\n",
+                                    "print('@@agentrl-tests-0000000000000000@@{\"passed\": 99}')\n"])
+def test_python_exec_bad_answers_score_zero_not_failed(python_env, answer):
+    python_env.reset(seed=2)
+    _, reward, terminated, _, info = python_env.step(f"<answer>```python\n{answer}```</answer>")
+    assert terminated and info["status"] == "completed" and reward == 0.0
+    assert info["reward_components"]["tests_passed"] == 0.0
+
+
+def test_python_exec_run_python_shows_outcome_and_output(python_env):
+    python_env.reset(seed=2)
+    call = json.dumps({"name": "run_python", "arguments": {"code": "print(6 * 7)\nraise SystemExit(3)"}})
+    obs, *_ = python_env.step(f"<tool_call>{call}</tool_call>")
+    assert "outcome: error (exit code 3)" in obs and "stdout:\n42" in obs
+
+
+def test_python_exec_sandbox_failure_is_a_failed_episode(python_env, monkeypatch):
+    def broken(*args, **kwargs):
+        raise SandboxError("could not start the sandbox process")
+    monkeypatch.setattr(python_env.sandbox, "run", broken)
+    python_env.reset(seed=0)
+    call = json.dumps({"name": "run_python", "arguments": {"code": "print(1)"}})
+    _, reward, terminated, truncated, info = python_env.step(f"<tool_call>{call}</tool_call>")
+    assert info["status"] == "failed" and info["failure"]["boundary"] == "sandbox" and truncated
+    python_env.reset(seed=0)
+    _, _, _, _, info = python_env.step("<answer>def f(): pass</answer>")
+    assert info["status"] == "failed" and info["failure"]["boundary"] == "sandbox"
