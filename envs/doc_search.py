@@ -56,7 +56,8 @@ def _project_names(rng: random.Random, count: int) -> list[str]:
 
 def _code(rng: random.Random) -> str:
     letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
-    return f"{rng.choice(letters)}{rng.choice(letters)}-{rng.randint(1000, 9999)}-{rng.choice(letters)}{rng.choice(letters)}"
+    pair = lambda: rng.choice(letters) + rng.choice(letters)  # noqa: E731
+    return f"{pair()}-{rng.randint(1000, 9999)}-{pair()}"
 
 
 def doc_chars_for(context_tokens: int, hops: int) -> int:

@@ -9,7 +9,8 @@ tests in the sandbox:
 * A sandbox that fails (not the code in it) makes the episode "failed" with boundary "sandbox".
 
 Known limit: the tests run in the same sandboxed process as the answer, so an answer that inspects the harness could
-forge its report. The sandbox contains the damage, not the reward hack; watch ``tests_passed`` for it.
+forge its report (the report line carries a per-run random marker, and a task set loaded from a path is hidden from
+the sandbox, but the harness is in the same process). The sandbox contains the damage, not the reward hack.
 
 Oracle: run the gold solution on the first test input with ``run_python``, then answer with it.
 """
@@ -17,6 +18,7 @@ Oracle: run the gold solution on the first test input with ``run_python``, then 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import secrets
@@ -57,7 +59,8 @@ def _templates() -> list[Template]:
     def rotate(r):
         k = r.randint(1, 5)
         return ("rotate", f"returns the list `xs` rotated left by {k} positions (wrapping around; [] stays [])",
-                f"def rotate(xs):\n    if not xs:\n        return []\n    k = {k} % len(xs)\n    return xs[k:] + xs[:k]\n",
+                f"def rotate(xs):\n    if not xs:\n        return []\n    k = {k} % len(xs)\n"
+                "    return xs[k:] + xs[:k]\n",
                 lambda g: [_ints(g)])
 
     def fib_mod(r):
@@ -98,7 +101,8 @@ def _templates() -> list[Template]:
     def chunk_sums(r):
         k = r.randint(2, 4)
         return ("chunk_sums", f"returns the sums of consecutive chunks of {k} elements of `xs` (the last chunk may "
-                "be shorter)", f"def chunk_sums(xs):\n    return [sum(xs[i:i + {k}]) for i in range(0, len(xs), {k})]\n",
+                "be shorter)",
+                f"def chunk_sums(xs):\n    return [sum(xs[i:i + {k}]) for i in range(0, len(xs), {k})]\n",
                 lambda g: [_ints(g)])
 
     return [sum_above, count_chars, rotate, fib_mod, caesar, running_max, dedupe, digit_power_sum, is_palindrome,
@@ -168,7 +172,10 @@ class PythonExecEnv(ToolEnv):
                  **kwargs: Any) -> None:
         super().__init__(generate_tasks(num_tasks, task_seed) if tasks is None else tasks, max_turns=max_turns,
                          **kwargs)
-        self.sandbox = Sandbox(limits or SandboxLimits(wall_s=10.0, cpu_s=5.0), isolation=isolation)
+        # A task set loaded from disk holds the hidden tests: hide it from the code, as well as the home dirs.
+        hidden = ["/root", "/home", *([os.path.abspath(tasks)] if isinstance(tasks, str) else [])]
+        self.sandbox = Sandbox(limits or SandboxLimits(wall_s=10.0, cpu_s=5.0), isolation=isolation,
+                               hidden_paths=hidden)
 
     @tool
     def run_python(self, code: str) -> str:

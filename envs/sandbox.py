@@ -10,8 +10,8 @@ Every run is a fresh process (``python -I -S -B envs/sandbox_child.py``) with:
 
   - ``"namespaces"`` (``unshare`` works: as root, or unprivileged user namespaces): new network namespace (only a
     downed loopback, so no network at all), mount namespace with every mount read-only except a private tmpfs at
-    ``/tmp`` (the work dir, ``disk_mb`` large), ``/root`` and ``/home`` hidden, a PID namespace (nothing survives
-    the run) with its own ``/proc`` (host processes invisible).
+    ``/tmp`` (the work dir, ``disk_mb`` large), ``/root``, ``/home`` and any other ``hidden_paths`` replaced by
+    empty directories, a PID namespace (nothing survives the run) with its own ``/proc`` (host processes invisible).
   - ``"rlimits"`` (fallback, e.g. a container without CAP_SYS_ADMIN): a host temp dir, the rlimits, and an audit
     hook in the child that refuses sockets, writes outside the work dir, reading other processes' ``/proc``,
     starting programs and ctypes. Best effort against careless code, not a security boundary.
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 from agentrl.envs.errors import SandboxError
 
@@ -127,7 +127,9 @@ class Sandbox:
     """Runs code strings under ``limits``. Stateless between runs; safe to share within a thread."""
 
     def __init__(self, limits: SandboxLimits | None = None, *, isolation: Isolation = "auto",
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, hidden_paths: Sequence[str] = ("/root", "/home")) -> None:
+        """``hidden_paths``: directories replaced by empty ones in "namespaces" mode (home directories by default;
+        add where task data such as hidden tests lives, since the rest of the filesystem stays readable)."""
         if isolation not in ("auto", "namespaces", "rlimits"):
             raise ValueError(f"isolation must be 'auto', 'namespaces' or 'rlimits', got {isolation!r}")
         self.limits = limits or SandboxLimits()
@@ -137,6 +139,9 @@ class Sandbox:
         self.isolation = mode if isolation == "auto" else isolation
         self._prefix = prefix if self.isolation == "namespaces" else ()
         self.python = python
+        self.hidden_paths = tuple(os.path.realpath(p).rstrip("/") for p in hidden_paths)
+        if not all(os.path.isabs(p) and p != "/" for p in hidden_paths):
+            raise ValueError(f"hidden_paths must be absolute directories other than '/', got {list(hidden_paths)!r}")
 
     def run(self, code: str, *, files: Mapping[str, str] | None = None) -> SandboxResult:
         """Run ``code`` as ``main.py`` in a fresh work dir that also holds ``files`` (relative name -> text).
@@ -167,7 +172,7 @@ class Sandbox:
         config = {
             "mode": self.isolation, "workdir": workdir, "uid": uid, "files": files, "entry": "main.py",
             "report_fd": report_w, "guard": self.isolation == "rlimits", "disk_mb": limits.disk_mb,
-            "hide": ["/root", "/home"], "keep": _interpreter_paths(self.python, ("/root", "/home")),
+            "hide": list(self.hidden_paths), "keep": _interpreter_paths(self.python, self.hidden_paths),
             "limits": {
                 "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "disk_mb": limits.disk_mb,
                 "max_open_files": limits.max_open_files, "nproc": _nproc_limit(limits.max_processes, uid),
@@ -205,13 +210,14 @@ class Sandbox:
             if timed_out:
                 raise SandboxError(f"sandbox did not start within wall_s={limits.wall_s}s: {why}")
             raise SandboxError(f"sandbox failed to start (exit {proc.returncode}): {why}")
-        if timed_out:
-            outcome: Outcome = "timeout"
-        elif not exits:
-            raise SandboxError(f"sandbox supervisor died without a report (exit {proc.returncode})")
+        # An exit report wins over the deadline: processes the code left behind may have held the pipes open.
+        if exits:
+            outcome: Outcome = _classify(exits[0], err.text())
+        elif timed_out:
+            outcome = "timeout"
         else:
-            outcome = _classify(exits[0], err.text())
-        return SandboxResult(outcome=outcome, returncode=None if timed_out else exits[0], stdout=out.text(),
+            raise SandboxError(f"sandbox supervisor died without a report (exit {proc.returncode})")
+        return SandboxResult(outcome=outcome, returncode=exits[0] if exits else None, stdout=out.text(),
                              stderr=err.text(), wall_s=wall, isolation=self.isolation,
                              stdout_truncated=out.truncated, stderr_truncated=err.truncated)
 

@@ -30,7 +30,8 @@ def test_everything_but_arithmetic_is_rejected(expression):
 
 @pytest.mark.parametrize("expression", [
     "9 ** 9 ** 9", "10 ** 100000", "2 ** 5000", "(10 ** 1000) * (10 ** 1000)", "10.0 ** 400", "1 / 0", "5 % 0",
-    "sqrt(-1)", "log(0)", "(-8) ** 0.5", "max()", "(" * 240 + "1" + ")" * 240, "-(" * 170 + "1" + ")" * 170, "1+" * 300 + "1", "exp(1000)",
+    "sqrt(-1)", "log(0)", "(-8) ** 0.5", "max()", "exp(1000)", "(" * 240 + "1" + ")" * 240,
+    "-(" * 170 + "1" + ")" * 170, "1+" * 300 + "1",
 ])
 def test_costly_or_undefined_expressions_fail_fast(expression):
     start = time.perf_counter()

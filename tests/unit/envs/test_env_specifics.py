@@ -1,11 +1,15 @@
 """Behaviour particular to each built-in env: DocSearch length tuning, KVChain horizon, PythonExec scoring."""
 
 import json
+import os
+import tempfile
 
 import pytest
 
 from agentrl.envs import SandboxError, SandboxLimits, make, play
+from agentrl.envs import python_exec
 from agentrl.envs.doc_search import CHARS_PER_TOKEN, render_document
+from agentrl.envs.sandbox import detect_isolation
 
 
 @pytest.mark.parametrize("context_tokens", [32_768, 262_144])
@@ -102,3 +106,16 @@ def test_python_exec_sandbox_failure_is_a_failed_episode(python_env, monkeypatch
     python_env.reset(seed=0)
     _, _, _, _, info = python_env.step("<answer>def f(): pass</answer>")
     assert info["status"] == "failed" and info["failure"]["boundary"] == "sandbox"
+
+
+@pytest.mark.skipif(detect_isolation()[0] != "namespaces", reason="hiding paths needs namespaces")
+def test_python_exec_hides_a_task_set_loaded_from_disk_from_the_code():
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as path:  # not /tmp: the sandbox has its own
+        os.chmod(path, 0o755)
+        python_exec.generate_tasks(num_tasks=3).save_to_disk(path)
+        env = make("PythonExec-v0", tasks=path)
+        env.reset(seed=0)
+        code = f"import os\nprint(os.listdir({path!r}))"
+        obs, *_ = env.step(f"<tool_call>{json.dumps({'name': 'run_python', 'arguments': {'code': code}})}"
+                           "</tool_call>")
+        assert "stdout:\n[]" in obs

@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -117,7 +118,8 @@ print(open("inside.txt").read())
 
 def test_fork_bomb_is_contained_and_leaves_nothing_behind(short_sandbox):
     start = time.monotonic()
-    result = short_sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    result = short_sandbox.run(bomb)
     assert result.outcome in ("timeout", "cpu_limit", "killed") and not result.ok
     assert time.monotonic() - start < SHORT.wall_s + 2
     time.sleep(0.2)
@@ -179,6 +181,19 @@ def test_namespace_mode_hides_home_dirs_and_host_processes():
     listed, count = result.stdout.rsplit(" ", 1)
     assert result.ok and int(count) <= 3  # supervisor and payload only
     assert all(name == ".pyenv" for name in ast.literal_eval(listed))  # only what the interpreter needs
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="unshare does not work here")
+def test_hidden_paths_are_empty_inside():
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as data:  # not /tmp: that is the sandbox's own tmpfs
+        with open(os.path.join(data, "hidden_tests.json"), "w") as f:
+            f.write("secret answers")
+        os.chmod(data, 0o755)
+        code = f"import os\nprint(os.listdir({data!r}))"
+        assert Sandbox(LIMITS).run(code).stdout == "['hidden_tests.json']\n"  # readable unless hidden
+        assert Sandbox(LIMITS, hidden_paths=["/root", data]).run(code).stdout == "[]\n"
+    with pytest.raises(ValueError, match="hidden_paths"):
+        Sandbox(LIMITS, hidden_paths=["relative/dir"])
 
 
 def test_sandbox_failures_raise_sandbox_error_not_a_code_outcome(tmp_path):
