@@ -81,13 +81,16 @@ class Trajectory:
         self.logprobs.extend([0.0] * len(token_ids))
         self.versions.extend([-1] * len(token_ids))
 
-    def append_sampled(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} log-probabilities")
+    def append_sampled(self, token_ids: list[int], logprobs: list[float], version: int | list[int]) -> None:
+        """Tokens the policy sampled, with their log-probabilities and the version (one, or one per token)."""
+        versions = [version] * len(token_ids) if isinstance(version, int) else list(version)
+        if not len(token_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} log-probabilities and "
+                             f"{len(versions)} versions")
         self.tokens.extend(token_ids)
         self.loss_mask.extend([1] * len(token_ids))
         self.logprobs.extend(float(x) for x in logprobs)
-        self.versions.extend([version] * len(token_ids))
+        self.versions.extend(versions)
 
     @property
     def num_sampled(self) -> int:

@@ -13,7 +13,8 @@ Dispatch is grouped by expert: the K·T (token, expert) pairs are sorted by expe
 one matmul (`torch._grouped_mm` on CUDA: one kernel for all experts; on CPU a split over the experts present).
 
 Routing replay: `forced_experts_TK` makes the layer use the given experts (e.g. those the inference engine chose)
-instead of its own top-K; the gate weights are still computed from this forward's scores.
+instead of its own top-K; the gate weights are still computed from this forward's scores. A row of −1 leaves that
+token's routing to the layer.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ class Router(nn.Module):
             if forced_experts_TK.shape != topk_idx.shape:
                 raise ValueError(f"forced experts have shape {tuple(forced_experts_TK.shape)}, "
                                  f"expected {tuple(topk_idx.shape)} (tokens, top_k)")
-            topk_idx = forced_experts_TK.to(device=scores.device, dtype=torch.long)
+            forced = forced_experts_TK.to(device=scores.device, dtype=torch.long)
+            # rows marked −1 (tokens the engine never ran through the MoE, e.g. the last sampled token) keep
+            # this forward's own choice
+            topk_idx = torch.where((forced >= 0).all(-1, keepdim=True), forced, topk_idx)
         weights = scores.gather(1, topk_idx)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

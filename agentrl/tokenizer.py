@@ -1,0 +1,98 @@
+"""A tokenizer for agentrl's own small models, trained locally, with a ChatML template for tool use.
+
+No model hub is reachable from these machines, so the quickstart and the tests build their tokenizer here: a
+byte-level BPE (`tokenizers`) trained on the built-in environments' text (system prompts, tasks, oracle episodes),
+wrapped as a `PreTrainedTokenizerFast` that vLLM and transformers load from a directory.
+
+Chat format (ChatML), one message per block, roles system / user / assistant / tool:
+
+    <|im_start|>{role}\n{content}<|im_end|>\n ... <|im_start|>assistant\n
+
+`<|im_end|>` ends an assistant turn (the engine's stop token). The tool-call protocol's tags (`<tool_call>`,
+`<answer>`, `<tool_response>` and their closers) are single added tokens, so a small model sees the format as a few
+symbols. Special tokens split the text before BPE runs, so a conversation tokenized turn by turn equals the whole
+conversation tokenized at once: the agent loop relies on that to append turns without re-tokenizing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [EOS, IM_START, IM_END]
+PROTOCOL_TOKENS = ["<tool_call>", "</tool_call>", "<answer>", "</answer>", "<tool_response>", "</tool_response>"]
+ROLES = ("system", "user", "assistant", "tool")
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def message_text(role: str, content: str) -> str:
+    """One rendered message, as CHAT_TEMPLATE writes it."""
+    if role not in ROLES:
+        raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def turn_glue(role: str, content: str) -> str:
+    """The text that follows a sampled assistant turn (which ends at <|im_end|>): the template's newline, the next
+    message, and the header of the next assistant turn."""
+    return "\n" + message_text(role, content) + f"{IM_START}assistant\n"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency: int = 2) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over `texts`; every byte is in the alphabet, so any text encodes."""
+    num_reserved = len(SPECIAL_TOKENS) + len(PROTOCOL_TOKENS)
+    if vocab_size < 256 + num_reserved:
+        raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet plus {num_reserved} reserved tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=SPECIAL_TOKENS + PROTOCOL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOS, bos_token=None,
+                                   unk_token=None, additional_special_tokens=[IM_START])
+    fast.add_tokens(PROTOCOL_TOKENS)  # already in the vocab; marks them as added (not split, not special)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 1 << 20
+    return fast
+
+
+def environment_corpus(env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
+                       episodes_per_env: int = 200, seed: int = 0) -> list[str]:
+    """Rendered oracle episodes of the given environments (system prompt, task, gold tool calls and answers)."""
+    from agentrl.envs import make, play
+
+    texts: list[str] = []
+    for env_id in env_ids:
+        env = make(env_id)
+        for i in range(episodes_per_env):
+            episode = play(env, env.oracle, seed=seed + i)
+            texts.append("".join(message_text(m["role"], m["content"]) for m in episode.messages))
+    return texts
+
+
+def build_tokenizer(out_dir: str, *, vocab_size: int = 2048,
+                    env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
+                    episodes_per_env: int = 200) -> PreTrainedTokenizerFast:
+    """Trains the tokenizer on the environments' text and saves it (with its chat template) to `out_dir`."""
+    tok = train_tokenizer(environment_corpus(env_ids, episodes_per_env), vocab_size=vocab_size)
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A merge-free byte tokenizer (every token one byte): tokenization is unique, which tests that compare token ids
+    after decoding and re-encoding need."""
+    return train_tokenizer([], vocab_size=256 + len(SPECIAL_TOKENS) + len(PROTOCOL_TOKENS))

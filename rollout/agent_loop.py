@@ -1,0 +1,245 @@
+"""The multi-turn agent loop: one episode of the policy in a tool environment, token-exact.
+
+The prompt (system message with the env's tools, the task) is rendered once with the chat template and tokenized.
+Each assistant turn is sampled by the engine from the running token ids and kept verbatim — never decoded and
+re-tokenized; the turn's text is decoded only to hand it to the env. Each observation is rendered as a tool message
+and appended as tokens (loss mask 0). The episode ends on the env's terminated/truncated, the trajectory token budget
+or the model's context; an exception from the env, a hanging tool or an engine error ends it as FAILED with the
+boundary that failed, never as an exception out of the loop.
+
+Partial rollouts (Kimi k1.5): when the iteration's shared token budget runs out, the episode stops where it is —
+possibly inside an assistant turn — and comes back PARTIAL with the env's saved state; `resume` continues it from
+the same tokens (and the same env state) under whatever policy version the engine serves then. Every sampled token
+records the version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agentrl.rollout.policy_engine import PolicyEngine, SamplingSpec
+from agentrl.tokenizer import IM_END, message_text, turn_glue
+from agentrl.types import Boundary, Status, Trajectory, Turn
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    group_size: int = 4  # samples per task (one GRPO group)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    max_trajectory_tokens: int = 4096  # prompt + all turns
+    env_timeout_s: float = 30.0  # a reset or step slower than this fails the episode at the tool boundary
+    max_concurrent_episodes: int = 64
+
+    def __post_init__(self):
+        for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"RolloutConfig.env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeRequest:
+    """One episode to run: which env, which task, which group it belongs to."""
+
+    env_id: str
+    task_index: int
+    group_id: str
+    trajectory_id: str
+    seed: int = 0
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class TokenBudget:
+    """Sampled tokens an iteration may still spend, shared by its concurrent episodes (None = unlimited)."""
+
+    def __init__(self, total: int | None):
+        self.remaining = total
+
+    def cap(self, n: int) -> int:
+        return n if self.remaining is None else max(0, min(n, self.remaining))
+
+    def spend(self, n: int) -> None:
+        if self.remaining is not None:
+            self.remaining -= n
+
+    @property
+    def exhausted(self) -> bool:
+        return self.remaining is not None and self.remaining <= 0
+
+
+class EnvPool:
+    """Reusable env instances per (env id, kwargs): building an env (its task set) is far dearer than reset."""
+
+    def __init__(self, make_env=None):
+        if make_env is None:
+            from agentrl.envs import make as make_env
+        self._make = make_env
+        self._free: dict[str, list[Any]] = {}
+
+    @staticmethod
+    def _key(env_id: str, kwargs: dict[str, Any]) -> str:
+        return env_id + json.dumps(kwargs, sort_keys=True, default=str)
+
+    def acquire(self, env_id: str, kwargs: dict[str, Any]):
+        free = self._free.setdefault(self._key(env_id, kwargs), [])
+        return free.pop() if free else self._make(env_id, **kwargs)
+
+    def release(self, env_id: str, kwargs: dict[str, Any], env) -> None:
+        self._free.setdefault(self._key(env_id, kwargs), []).append(env)
+
+
+class AgentLoop:
+    def __init__(self, engine: PolicyEngine, tokenizer, config: RolloutConfig, envs: EnvPool | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.envs = envs or EnvPool()
+        self.stop_id = tokenizer.convert_tokens_to_ids(IM_END)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _env_call(self, fn, *args, **kwargs):
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), self.config.env_timeout_s)
+
+    async def run(self, request: EpisodeRequest, budget: TokenBudget | None = None,
+                  resume: Trajectory | None = None) -> Trajectory:
+        """Runs (or resumes) one episode; always returns a Trajectory."""
+        budget = budget or TokenBudget(None)
+        started = time.perf_counter()
+        env = self.envs.acquire(request.env_id, request.env_kwargs)
+        traj = resume or Trajectory(trajectory_id=request.trajectory_id, task_id="", group_id=request.group_id,
+                                    env_id=request.env_id)
+        try:
+            if resume is None:
+                await self._start(env, request, traj)
+            else:
+                await self._env_call(env.set_state, json.loads(resume.env_state.decode()))
+                traj.env_state = None
+                traj.status = Status.COMPLETED
+                if resume.routed_experts is not None:  # keep the routing known so far; ask only for the rest
+                    known = int((resume.routed_experts.reshape(len(resume.routed_experts), -1) >= 0).all(-1).sum())
+                    traj.metadata["_routing"] = [resume.routed_experts[:known]]
+                    traj.routed_experts = None
+            await self._turns(env, traj, budget)
+        except asyncio.TimeoutError:
+            self._fail(traj, Boundary.TOOL, f"the environment did not answer within {self.config.env_timeout_s}s")
+            env = None  # its thread may still be running: never reuse it
+        except _EngineError as exc:
+            self._fail(traj, Boundary.MODEL, str(exc))
+        except Exception as exc:  # the env's own code raised: the episode fails, the worker goes on
+            self._fail(traj, Boundary.ENV, f"{type(exc).__name__}: {exc}")
+            env = None
+        finally:
+            if env is not None:
+                self.envs.release(request.env_id, request.env_kwargs, env)
+        traj.timings["episode_s"] = traj.timings.get("episode_s", 0.0) + time.perf_counter() - started
+        self._finish_routing(traj)
+        return traj
+
+    async def _start(self, env, request: EpisodeRequest, traj: Trajectory) -> None:
+        observation, info = await self._env_call(env.reset, seed=request.seed,
+                                                 options={"task_index": request.task_index})
+        traj.task_id = str(info.get("task_id", request.task_index))
+        system = env.system_prompt()
+        for role, content in (("system", system), ("user", observation)):
+            start = len(traj.tokens)
+            traj.append_prompt(self._encode(message_text(role, content)))
+            traj.turns.append(Turn(role=role, start=start, end=len(traj.tokens), text=content))
+        traj.append_prompt(self._encode("<|im_start|>assistant\n"))
+        traj.prompt_length = len(traj.tokens)
+        traj.metadata.update(task_index=request.task_index, seed=request.seed, env_kwargs=request.env_kwargs,
+                             turn_start=len(traj.tokens))
+
+    async def _turns(self, env, traj: Trajectory, budget: TokenBudget) -> None:
+        cfg = self.config
+        while True:
+            turn_start = traj.metadata["turn_start"]
+            room = cfg.max_trajectory_tokens - len(traj.tokens)
+            turn_room = cfg.sampling.max_tokens - (len(traj.tokens) - turn_start)
+            if room <= 0:
+                traj.status = Status.TRUNCATED
+                traj.error = f"trajectory token budget of {cfg.max_trajectory_tokens} reached"
+                return
+            if budget.exhausted:
+                traj.status = Status.PARTIAL
+                traj.env_state = json.dumps(env.get_state()).encode()
+                return
+            max_tokens = budget.cap(min(room, turn_room))
+            gen = await self._generate(traj, max_tokens)
+            budget.spend(len(gen.token_ids))
+            traj.append_sampled(gen.token_ids, gen.logprobs, gen.versions)
+            if gen.finish_reason == "abort":
+                traj.status = Status.ABORTED
+                traj.error = "generation aborted by the engine"
+                return
+            turn_ids = traj.tokens[turn_start:]
+            ended = bool(turn_ids) and turn_ids[-1] == self.stop_id
+            if not ended and len(turn_ids) < cfg.sampling.max_tokens and len(traj.tokens) < cfg.max_trajectory_tokens:
+                continue  # cut by the iteration budget: loop back, which saves the episode as PARTIAL
+            text = self.tokenizer.decode(turn_ids[:-1] if ended else turn_ids, skip_special_tokens=False)
+            traj.turns.append(Turn(role="assistant", start=turn_start, end=len(traj.tokens), text=text))
+            if not ended:
+                traj.append_prompt([self.stop_id])  # a turn cut at its length cap is closed for the env and template
+            observation, reward, terminated, truncated, info = await self._env_call(env.step, text)
+            traj.tool_calls.extend(info.get("tool_calls", []))
+            traj.num_tool_errors += len(info.get("errors", []))
+            if info.get("status") == "failed":  # the env reports a system-side failure (sandbox, tool crash)
+                failure = info.get("failure") or {}
+                self._fail(traj, Boundary(failure.get("boundary", "tool")),
+                           failure.get("message") or "; ".join(info.get("errors", [])))
+                return
+            if terminated or truncated:
+                traj.reward = float(reward)
+                traj.reward_components = dict(info.get("reward_components", {}))
+                traj.status = Status.COMPLETED if terminated else Status.TRUNCATED
+                return
+            start = len(traj.tokens)
+            traj.append_prompt(self._encode(turn_glue("tool", observation)))
+            traj.turns.append(Turn(role="tool", start=start, end=len(traj.tokens), text=observation))
+            traj.metadata["turn_start"] = len(traj.tokens)
+
+    async def _generate(self, traj: Trajectory, max_tokens: int):
+        sampling = SamplingSpec(temperature=self.config.sampling.temperature, top_p=self.config.sampling.top_p,
+                                top_k=self.config.sampling.top_k, max_tokens=max(1, max_tokens),
+                                allowed_token_ids=self.config.sampling.allowed_token_ids)
+        routing = traj.metadata.setdefault("_routing", [])
+        known = sum(len(r) for r in routing)
+        t0 = time.perf_counter()
+        try:
+            gen = await self.engine.generate(traj.tokens, sampling, [self.stop_id], routing_start=known or None)
+        except Exception as exc:  # any engine failure is the model boundary's
+            raise _EngineError(f"{type(exc).__name__}: {exc}") from exc
+        traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
+        if gen.routed_experts is not None:
+            routing.append(gen.routed_experts.astype(np.int16))
+        return gen
+
+    @staticmethod
+    def _fail(traj: Trajectory, boundary: Boundary, error: str) -> None:
+        traj.status = Status.FAILED
+        traj.failure = boundary
+        traj.error = error[:2000]
+
+    @staticmethod
+    def _finish_routing(traj: Trajectory) -> None:
+        """Joins the per-turn routing into [T, L, K]; tokens the engine never ran (the last sampled one) get −1."""
+        routing = traj.metadata.pop("_routing", None)
+        if not routing:
+            return
+        rows = np.concatenate(routing)[: len(traj.tokens)]
+        if len(rows) < len(traj.tokens):
+            pad = np.full((len(traj.tokens) - len(rows), *rows.shape[1:]), -1, dtype=np.int16)
+            rows = np.concatenate([rows, pad])
+        traj.routed_experts = rows
+
+
+class _EngineError(RuntimeError):
+    pass

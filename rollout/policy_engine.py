@@ -1,0 +1,168 @@
+"""The Engine contract over vLLM's AsyncLLM: generate from token ids, update weights to a version, pause/resume.
+
+Generation streams deltas, so every sampled token is attributed to the policy version that produced it: an
+in-flight weight update pauses the scheduler with in-flight requests frozen ("keep"), swaps the weights, drops the
+whole KV cache (running requests are preempted and re-prefilled under the new weights, so no token is ever computed
+on a stale prefix), bumps the version and resumes; tokens that arrive after that carry the new version.
+
+Log-probabilities are vLLM's *processed* log-probabilities (after temperature and top-p/top-k), i.e. the behaviour
+policy's, as the losses' importance ratios need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingSpec:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    allowed_token_ids: list[int] | None = None  # restrict sampling to these tokens (constrained vocabularies)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Generation:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # policy version of each sampled token
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    routed_experts: np.ndarray | None = None  # [n, L, K] for the prompt tokens from `routing_start` onwards + output
+    num_cached_tokens: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineSpec:
+    """How to build the vLLM engine of a rollout worker."""
+
+    model: str  # checkpoint directory
+    dtype: str = "float32"  # fp32 is ~3x faster than bf16 on these CPUs (no AVX-512)
+    max_model_len: int = 4096
+    kv_cache_memory_bytes: int | None = 256 * 1024**2
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    return_routed_experts: bool = False
+    worker_extension_cls: str | None = None
+    block_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # any other vLLM AsyncEngineArgs
+
+
+class PolicyEngine:
+    """One AsyncLLM serving the current policy version."""
+
+    def __init__(self, llm: Any, version: int = 0,
+                 reload_fn: Callable[[Any, str], Any] | None = None):
+        self.llm = llm
+        self.version = version
+        self._reload_fn = reload_fn or _reload_from_directory
+        self._ids = itertools.count()
+
+    @classmethod
+    def create(cls, spec: EngineSpec, version: int = 0) -> PolicyEngine:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = dict(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
+                                      enforce_eager=True, enable_prefix_caching=spec.enable_prefix_caching,
+                                      seed=spec.seed, skip_tokenizer_init=True,
+                                      logprobs_mode="processed_logprobs", disable_log_stats=True)
+        if spec.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = spec.kv_cache_memory_bytes
+        if spec.return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
+        if spec.worker_extension_cls:
+            kwargs["worker_extension_cls"] = spec.worker_extension_cls
+        if spec.block_size:
+            kwargs["block_size"] = spec.block_size
+        kwargs.update(spec.extra)
+        return cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), version=version)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int],
+                       routing_start: int | None = None) -> Generation:
+        """Samples one continuation of `prompt_ids`, streaming so each token's policy version is known.
+
+        `routing_start`: when routed experts are returned, skip the routing of the first `routing_start` prompt
+        tokens (those a multi-turn caller already has).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params: dict[str, Any] = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                      max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=stop_token_ids,
+                                      detokenize=False, output_kind=RequestOutputKind.DELTA)
+        if sampling.allowed_token_ids is not None:
+            params["allowed_token_ids"] = sampling.allowed_token_ids
+        if routing_start:
+            params["routed_experts_prompt_start"] = routing_start
+        request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        out = Generation()
+        routing: list[np.ndarray] = []
+        async for chunk in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), SamplingParams(**params),
+                                             request_id=request_id):
+            completion = chunk.outputs[0]
+            version = self.version
+            for token, lp in zip(completion.token_ids, completion.logprobs or []):
+                out.token_ids.append(int(token))
+                out.logprobs.append(float(lp[token].logprob))
+                out.versions.append(version)
+            if getattr(completion, "routed_experts", None) is not None:
+                routing.append(np.asarray(completion.routed_experts))
+            if completion.finish_reason is not None:
+                out.finish_reason = completion.finish_reason
+            if chunk.num_cached_tokens:
+                out.num_cached_tokens = chunk.num_cached_tokens
+        if len(out.logprobs) != len(out.token_ids):
+            raise RuntimeError(f"engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} logprobs")
+        if routing:
+            out.routed_experts = np.concatenate(routing) if len(routing) > 1 else routing[0]
+        return out
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Pauses generation (in-flight requests frozen), loads the weights at `path`, resumes at `version`."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._reload_fn(self.llm, path)
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            self.version = version
+        finally:
+            await self.llm.resume_generation()
+
+    async def check_health(self) -> None:
+        await self.llm.check_health()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+async def _reload_from_directory(llm: Any, path: str) -> Any:
+    """vLLM's built-in reload: re-reads a checkpoint directory in place (any model vLLM serves natively)."""
+    return await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+
+async def gather_limited(coros, limit: int):
+    """asyncio.gather with at most `limit` coroutines running at once, results in order."""
+    semaphore = asyncio.Semaphore(limit)
+
+    async def run(coro):
+        async with semaphore:
+            return await coro
+
+    return await asyncio.gather(*(run(c) for c in coros))

@@ -1,0 +1,159 @@
+"""RolloutWorker: one vLLM engine running many environment episodes concurrently.
+
+`RolloutWorker` is a plain class (tests and single-process runs use it directly); `RolloutWorkerActor` is the thin
+Ray shell the driver places on the cluster. It is an async actor, so `update_weights` runs while `generate` is in
+flight: generation pauses, the weights change, and the episodes continue under the new version.
+
+`RolloutPool` is the caller's side: it spreads episode requests over the workers, detects a dead worker, replaces
+it and reruns the requests it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, RolloutConfig, TokenBudget
+from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
+from agentrl.types import Boundary, Status, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, engine_spec: EngineSpec, tokenizer_path: str, config: RolloutConfig, *,
+                 engine: PolicyEngine | None = None, version: int = 0):
+        from transformers import AutoTokenizer
+
+        self.spec = engine_spec
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.engine = engine or PolicyEngine.create(engine_spec, version=version)
+        self.loop = AgentLoop(self.engine, self.tokenizer, config, EnvPool())
+
+    async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+                       token_budget: int | None = None) -> list[Trajectory]:
+        """Runs the requested episodes and continues the partial ones, all concurrently; returns every trajectory
+        (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first)."""
+        budget = TokenBudget(token_budget)
+        semaphore = asyncio.Semaphore(self.config.max_concurrent_episodes)
+
+        async def one(request: EpisodeRequest, resume: Trajectory | None) -> Trajectory:
+            async with semaphore:
+                return await self.loop.run(request, budget, resume)
+
+        jobs = [one(r, None) for r in requests]
+        for partial in resumes or []:
+            meta = partial.metadata
+            request = EpisodeRequest(env_id=partial.env_id, task_index=meta.get("task_index", 0),
+                                     group_id=partial.group_id, trajectory_id=partial.trajectory_id,
+                                     seed=meta.get("seed", 0), env_kwargs=meta.get("env_kwargs", {}))
+            jobs.append(one(request, partial))
+        t0 = time.perf_counter()
+        trajectories = await asyncio.gather(*jobs)
+        log.info("worker ran %d episodes in %.1fs", len(trajectories), time.perf_counter() - t0)
+        return list(trajectories)
+
+    async def update_weights(self, path: str, version: int) -> int:
+        await self.engine.update_weights(path, version)
+        return self.engine.version
+
+    def version(self) -> int:
+        return self.engine.version
+
+    async def ping(self) -> int:
+        await self.engine.check_health()
+        return self.engine.version
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def rollout_worker_actor(num_cpus: float = 1.0, num_gpus: float = 0.0, **options: Any):
+    """The Ray actor class for RolloutWorker with the given resources (imported lazily: envs and tests need no Ray)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000, **options)(RolloutWorker)
+
+
+class RolloutPool:
+    """The driver's handle on N rollout worker actors, with replacement of dead workers.
+
+    `generate` splits the requests over the workers; if a worker dies (RayActorError), a new one is started at the
+    current weights and its share is rerun. A share that fails again comes back as FAILED at the worker boundary,
+    so one broken machine cannot stall the run.
+    """
+
+    def __init__(self, actor_cls, num_workers: int, args: tuple, kwargs: dict[str, Any] | None = None):
+        self.actor_cls, self.args, self.kwargs = actor_cls, args, dict(kwargs or {})
+        self.workers = [self._start() for _ in range(num_workers)]
+        self.weights: tuple[str, int] | None = None
+        self.restarts = 0
+
+    def _start(self):
+        return self.actor_cls.remote(*self.args, **self.kwargs)
+
+    def _replace(self, index: int) -> None:
+        import ray
+
+        self.restarts += 1
+        log.warning("rollout worker %d died; starting a replacement", index)
+        kwargs = dict(self.kwargs)
+        if self.weights is not None:
+            kwargs["version"] = self.weights[1]
+        self.workers[index] = self.actor_cls.remote(*self.args, **kwargs)
+        if self.weights is not None:
+            ray.get(self.workers[index].update_weights.remote(*self.weights))
+
+    def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+                 token_budget: int | None = None) -> list[Trajectory]:
+        import ray
+
+        shares = [([], []) for _ in self.workers]
+        for i, request in enumerate(requests):  # a group's members go to one worker: they share the prompt prefix
+            shares[hash(request.group_id) % len(shares)][0].append(request)
+        for i, partial in enumerate(resumes or []):
+            shares[i % len(shares)][1].append(partial)
+        budget = None if token_budget is None else max(1, token_budget // len(self.workers))
+        out: list[Trajectory] = []
+        pending = {i: self.workers[i].generate.remote(reqs, parts, budget) for i, (reqs, parts) in enumerate(shares)
+                   if reqs or parts}
+        for i, ref in pending.items():
+            try:
+                out.extend(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                self._replace(i)
+                try:
+                    out.extend(ray.get(self.workers[i].generate.remote(*shares[i], budget)))
+                except ray.exceptions.RayActorError as exc:
+                    self._replace(i)
+                    out.extend(_failed(shares[i][0], shares[i][1], f"rollout worker died twice: {exc}"))
+        return out
+
+    def update_weights(self, path: str, version: int) -> None:
+        import ray
+
+        self.weights = (path, version)
+        refs = [w.update_weights.remote(path, version) for w in self.workers]
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._replace(i)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
+
+
+def _failed(requests: list[EpisodeRequest], partials: list[Trajectory], error: str) -> list[Trajectory]:
+    out = [Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
+                      env_id=r.env_id, status=Status.FAILED, failure=Boundary.WORKER, error=error) for r in requests]
+    for p in partials:
+        p.status, p.failure, p.error = Status.FAILED, Boundary.WORKER, error
+        out.append(p)
+    return out
