@@ -1,0 +1,62 @@
+"""One micro-batch through the policy: packed tokens → per-token log-probs and entropies → the configured loss.
+
+`PackedPolicy` is the module DeepSpeed wraps. It calls the decoder (`policy.model`) and computes target log-probs
+with the model's chunked, recomputed head (`chunked_token_logprobs`), so the [T, V] logits never exist at once, and it
+returns plain tensors: ZeRO-3 attaches its pre-backward hooks to a module's output tensors, which it cannot find
+inside the model's `HybridOutput` dataclass. The LM head weight is read directly by that function rather than through
+`lm_head(...)`, so under ZeRO-3 it is registered as an external parameter of this wrapper (trainer/zero.py).
+
+Nothing here imports DeepSpeed: unit tests run the same code on a plain model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
+from agentrl.trainer.batching import MicroBatch
+from agentrl.trainer.losses import LossConfig, LossOutput, policy_loss
+
+
+class PackedPolicy(nn.Module):
+    """forward(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK) → (logprobs_T, entropy_T), fp32."""
+
+    def __init__(self, policy: HybridMoEForCausalLM, temperature: float = 1.0):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.policy = policy
+        self.temperature = temperature
+
+    def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_ids_T: torch.Tensor,
+                forced_experts_TLK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK)
+        logprobs, entropy = chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T,
+                                                   self.temperature, return_entropy=True)
+        return logprobs, entropy
+
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def micro_batch_loss(forward: Forward, micro: MicroBatch, config: LossConfig,
+                     reference: Forward | None = None, device: torch.device | str = "cpu") -> LossOutput:
+    """Runs `forward` (a PackedPolicy or the DeepSpeed engine around one) on a micro-batch and applies the loss.
+
+    `reference` (a frozen PackedPolicy) supplies the reference log-probs of the KL term when kl_coef > 0.
+    """
+    args = (micro.input_ids_T.to(device), micro.cu_seqlens.to(device), micro.target_ids_T.to(device),
+            None if micro.forced_experts_TLK is None else micro.forced_experts_TLK.to(device))
+    logp, entropy = forward(*args)
+    ref = None
+    if reference is not None and config.kl_coef > 0:
+        with torch.no_grad():
+            ref, _ = reference(*args)
+    return policy_loss(logp_T=logp.float(), entropy_T=entropy.float(),
+                       infer_T=micro.infer_logprobs_T.to(device), adv_T=micro.advantages_T.to(device),
+                       weights_T=micro.weights_T.to(device), mask_T=micro.loss_mask_T.to(device),
+                       seq_T=micro.seq_index_T.to(device), num_seqs=micro.num_sequences, config=config,
+                       ref_T=None if ref is None else ref.float())
