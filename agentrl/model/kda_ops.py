@@ -33,7 +33,8 @@ Where this departs from fla (fla-org/flash-linear-attention, fla-core 0.6.0):
 
 Tensor names carry their shape as a suffix:
     B batch, T tokens per batch row, H heads, K key/query head dim, V value head dim, N sequences,
-    R flattened token rows (B·T), J tiles over all sequences, C tokens per tile.
+    R flattened token rows (B·T), J tiles over all sequences, C tokens per tile, D = 2C rows of two stacked tiles,
+    x a batch of (tile, head) pairs inside the sequential pass.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ CHUNK_SIZE = 16
 MAX_TILE_LOG_DECAY = 80.0
 # Constant that centres the bounded tile's factors e^{γ+shift}, e^{−γ−shift} inside [e^-40, e^40].
 _TILE_SHIFT = MAX_TILE_LOG_DECAY / 2
+# Tiles × heads per run of the chunked form's parallel part: [256, 16, 64] fp32 temporaries are 1 MiB.
+_BLOCK_TILE_HEADS = 256
 # Like fla's KDA layer: without autograd, up to this many tokens go to fla's fused recurrent kernel.
 FLA_DECODE_MAX_LEN = 64
 MODES = ("auto", "chunk", "recurrent", "naive")
@@ -274,17 +277,31 @@ class _TileLayout:
         src_JHC = row_JC[:, None, :] * H + h_H[None, :, None]
         self.src_JHC = src_JHC.to(device)
         self.pad_J1C = (~valid_JC)[:, None, :].to(device) if not bool(valid_JC.all()) else None
+        self.num_slots = J
         slot_JHC = torch.arange(J * H * C).view(J, H, C)
         dst_RH = torch.empty(num_rows * H, dtype=torch.long)
         valid_JHC = valid_JC[:, None, :].expand(J, H, C)
         dst_RH[src_JHC[valid_JHC]] = slot_JHC[valid_JHC]
         self.dst_RH = dst_RH.view(num_rows, H).to(device)
 
-    def gather(self, x_RHD: Tensor) -> Tensor:
-        """Token rows `[R, H, D]` → tiles `[J, H, C, D]` (one copy), zeros in the padding."""
-        x_JHCD = x_RHD.reshape(-1, x_RHD.shape[-1])[self.src_JHC]
+    def blocks(self, max_slots: int) -> list[tuple[int, int, list[int]]]:
+        """Splits the steps into runs of whole steps of about `max_slots` tile slots: (first slot, end slot, counts)."""
+        out, start, counts, filled = [], 0, [], 0
+        for m in self.step_counts:
+            if counts and filled + m > max_slots:
+                out.append((start, start + filled, counts))
+                start, counts, filled = start + filled, [], 0
+            counts.append(m)
+            filled += m
+        if counts:
+            out.append((start, start + filled, counts))
+        return out
+
+    def gather(self, x_RHD: Tensor, lo: int, hi: int) -> Tensor:
+        """Token rows `[R, H, D]` → tile slots lo..hi−1 `[J, H, C, D]` (one copy), zeros in the padding."""
+        x_JHCD = x_RHD.reshape(-1, x_RHD.shape[-1])[self.src_JHC[lo:hi]]
         if self.pad_J1C is not None:
-            x_JHCD.masked_fill_(self.pad_J1C.unsqueeze(-1), 0.0)  # index's backward does not need its output
+            x_JHCD.masked_fill_(self.pad_J1C[lo:hi].unsqueeze(-1), 0.0)  # index's backward does not need its output
         return x_JHCD
 
     def scatter(self, x_JHCD: Tensor) -> Tensor:
@@ -305,7 +322,7 @@ def _tile_factors_bounded(
     """
     C = gam_JHCK.shape[2]
     up_JHCK = (gam_JHCK + _TILE_SHIFT).exp()  # e^{γ+40} ∈ [e^-40, e^40]
-    kdown_JHCK = k_JHCK * up_JHCK.reciprocal()  # k e^{−γ−40}
+    kdown_JHCK = k_JHCK / up_JHCK  # k e^{−γ−40}
     qup_JHCK = q_JHCK * up_JHCK
     kup_JHCK = k_JHCK * up_JHCK
     incl_CC = torch.ones(C, C, dtype=torch.bool, device=k_JHCK.device).tril()
@@ -345,18 +362,25 @@ def _tile_factors_pairwise(
 
 
 def _inter_tile_pass(
-    X_JHDK: Tensor, Y_JHDV: Tensor, kend_JHCK: Tensor, decay_end_JHK: Tensor, S0_NHKV: Tensor, step_counts: list[int]
+    X_JHDK: Tensor,
+    Y_JHDV: Tensor,
+    kend_JHCK: Tensor,
+    decay_end_JHK: Tensor,
+    S_NHKV: Tensor,
+    step_counts: list[int],
+    finished: list[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """The sequential part, batched over the sequences still running at each tile step (a prefix of the ranks).
+    """The sequential part over a run of tile steps, batched over the sequences still running at each step (a prefix
+    of the ranks; `S_NHKV` holds their states).
 
-    With X = [W; M W − Q'_0] and Y = [U; M U] stacked along the tile's rows (D = 2C), one matmul per step gives
-    Y − X S = [u; o], then S ← Diag(e^{γ_C}) S + (K⊙e^{γ_C−γ})ᵀ u.
-    Returns o for every tile slot `[J, H, C, V]` and each rank's final state `[N, H, K, V]`.
+    With X = [W; −Q'] and Y = [U; M U] stacked along the tile's rows (D = 2C), one matmul per step gives
+    Y − X S = [u; o], then S ← Diag(e^{γ_C}) S + (K⊙e^{γ_C−γ})ᵀ u. States of sequences that run out of tiles are
+    appended to `finished` (highest rank first).
+    Returns o for the run's tile slots `[J, H, C, V]` and the states still running.
     """
-    N, H, K, V = S0_NHKV.shape
+    _, H, K, V = S_NHKV.shape
     C = kend_JHCK.shape[2]
-    # One split per operand, not a slice per step: a slice's backward materialises a full-size zero gradient, which
-    # would make the backward O(J²).
+    # One split per operand, not a slice per step: a slice's backward materialises a full-size zero gradient.
     sizes = [m * H for m in step_counts]
     steps = zip(
         step_counts,
@@ -365,19 +389,16 @@ def _inter_tile_pass(
         torch.split(kend_JHCK.reshape(-1, C, K).transpose(-1, -2), sizes),
         torch.split(decay_end_JHK.reshape(-1, K, 1), sizes),
     )
-    S_NHKV = S0_NHKV
-    o_steps, finished = [], []
+    o_steps = []
+    S_xKV = S_NHKV.reshape(-1, K, V)  # (sequence, head) pairs, sequence-major
     for m, X_xDK, Y_xDV, kendT_xKC, decay_end_xK1 in steps:
-        if m < S_NHKV.shape[0]:  # the lowest-ranked sequences ran out of tiles
-            finished.append(S_NHKV[m:])
-            S_NHKV = S_NHKV[:m]
-        S_xKV = S_NHKV.reshape(m * H, K, V)
+        if m * H < S_xKV.shape[0]:  # the lowest-ranked sequences ran out of tiles
+            finished.append(S_xKV[m * H :].view(-1, H, K, V))
+            S_xKV = S_xKV[: m * H]
         u_xCV, o_xCV = torch.baddbmm(Y_xDV, X_xDK, S_xKV, alpha=-1.0).split(C, dim=1)  # one backward node
         o_steps.append(o_xCV)
-        S_NHKV = torch.baddbmm(S_xKV * decay_end_xK1, kendT_xKC, u_xCV).view(m, H, K, V)
-    finished.append(S_NHKV)
-    o_JHCV = torch.cat(o_steps).view(-1, H, C, V) if o_steps else X_JHDK.new_zeros(0, H, C, V)
-    return o_JHCV, torch.cat(finished[::-1])
+        S_xKV = torch.baddbmm(S_xKV * decay_end_xK1, kendT_xKC, u_xCV)
+    return torch.cat(o_steps).view(-1, H, C, V), S_xKV.view(-1, H, K, V)
 
 
 def chunk_kda_torch(
@@ -430,33 +451,39 @@ def chunk_kda_torch(
             )
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     layout = _TileLayout(_seq_bounds(cu_seqlens, B, T), B * T, H, C, q.device)
-
-    def tiles(x_BTHD: Tensor) -> Tensor:
-        return layout.gather(x_BTHD.to(dt).reshape(B * T, H, x_BTHD.shape[-1]))
-
-    q_JHCK, k_JHCK, v_JHCV, g_JHCK = tiles(q), tiles(k), tiles(v), tiles(g)
-    beta_JHC = tiles(beta.unsqueeze(-1)).squeeze(-1)
-    # inclusive cumsum over the tile as a matmul with a lower-triangular ones matrix (twice as fast as cumsum here)
-    gam_JHCK = torch.ones(C, C, dtype=dt, device=q.device).tril() @ g_JHCK
-
+    rows = [x.to(dt).reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g, beta.unsqueeze(-1))]
+    tril_CC = torch.ones(C, C, dtype=dt, device=q.device).tril()
     tile_factors = _tile_factors_bounded if bounded else _tile_factors_pairwise
-    A_JHCC, M_JHCC, qdecay_JHCK, bkdecay_JHCK, kend_JHCK, decay_end_JHK = tile_factors(
-        q_JHCK, k_JHCK, gam_JHCK, beta_JHC, scale
-    )
-    # (I + A)^-1 of the 16×16 unit-triangular matrix, then products: on CPU ~5× cheaper than one solve with V + K
-    # right-hand sides. A's zero diagonal stands for I's ones.
-    eye_CC = torch.eye(C, dtype=dt, device=q.device).expand_as(A_JHCC)
-    Tinv_JHCC = torch.linalg.solve_triangular(A_JHCC, eye_CC, upper=False, unitriangular=True)
-    # Z = [(I+A)^-1; M (I+A)^-1] so that Z β V = [U; M U] and Z β(K⊙e^γ) = [W; M W] in one matmul each (D = 2C rows)
-    Z_JHDC = torch.cat([Tinv_JHCC, M_JHCC @ Tinv_JHCC], dim=2)
-    Y_JHDV = Z_JHDC @ (beta_JHC.unsqueeze(-1) * v_JHCV)
-    X_JHDK = Z_JHDC @ bkdecay_JHCK
-    X_JHDK[:, :, C:] -= qdecay_JHCK  # M W − scale Q⊙e^γ = −Q'; matmul's backward does not need its output
 
-    S0_NHKV = q.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-    o_JHCV, S_end_NHKV = _inter_tile_pass(
-        X_JHDK, Y_JHDV, kend_JHCK, decay_end_JHK, S0_NHKV[layout.order_N], layout.step_counts
-    )
+    S_NHKV = q.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    S_NHKV = S_NHKV[layout.order_N]  # rank order
+    finished: list[Tensor] = []
+    o_blocks = []
+    # The tiles go in runs of whole steps, each run's S₀-independent factors computed just before the sequential pass
+    # reaches it: the temporaries stay ~1 MiB (cache-sized, and no fresh pages from the allocator per op).
+    for lo, hi, step_counts in layout.blocks(max(1, _BLOCK_TILE_HEADS // H)):
+        q_JHCK, k_JHCK, v_JHCV, g_JHCK, beta_JHC1 = (layout.gather(x, lo, hi) for x in rows)
+        beta_JHC = beta_JHC1.squeeze(-1)
+        gam_JHCK = tril_CC @ g_JHCK  # inclusive cumsum over the tile (a matmul is twice as fast as cumsum on CPU)
+        A_JHCC, M_JHCC, qdecay_JHCK, bkdecay_JHCK, kend_JHCK, decay_end_JHK = tile_factors(
+            q_JHCK, k_JHCK, gam_JHCK, beta_JHC, scale
+        )
+        # (I + A)^-1 of the unit-triangular C×C matrix, then products: on CPU ~5× cheaper than one solve with V + K
+        # right-hand sides. A's zero diagonal stands for I's ones.
+        eye_CC = torch.eye(C, dtype=dt, device=q.device).expand_as(A_JHCC)
+        Tinv_JHCC = torch.linalg.solve_triangular(A_JHCC, eye_CC, upper=False, unitriangular=True)
+        # Z = [(I+A)^-1; M (I+A)^-1]: Z β V = [U; M U] and Z β(K⊙e^γ) = [W; M W], one matmul each (D = 2C rows)
+        Z_JHDC = torch.cat([Tinv_JHCC, M_JHCC @ Tinv_JHCC], dim=2)
+        Y_JHDV = Z_JHDC @ (beta_JHC.unsqueeze(-1) * v_JHCV)
+        X_JHDK = Z_JHDC @ bkdecay_JHCK
+        X_JHDK[:, :, C:] -= qdecay_JHCK  # M W − scale Q⊙e^γ = −Q'; matmul's backward does not need its output
+        o_JHCV, S_NHKV = _inter_tile_pass(
+            X_JHDK, Y_JHDV, kend_JHCK, decay_end_JHK, S_NHKV, step_counts, finished
+        )
+        o_blocks.append(o_JHCV)
+    finished.append(S_NHKV)
+    S_end_NHKV = torch.cat(finished[::-1])  # back to rank order 0..N−1
+    o_JHCV = torch.cat(o_blocks) if o_blocks else v.new_zeros(0, H, C, V, dtype=dt)
     o_BTHV = layout.scatter(o_JHCV).view(B, T, H, V).to(v.dtype)
     final = S_end_NHKV[layout.rank_of_N] if output_final_state else None
     return o_BTHV, final

@@ -139,6 +139,22 @@ def test_varlen_matches_naive_forward_and_backward(bounded):
     torch.testing.assert_close(S[3], xs[5][3], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["varlen", "batch"])
+def test_runs_of_tiles_split_anywhere(monkeypatch, layout):
+    """The chunked form computes its tile factors in runs of whole steps; runs of 3 tile slots cut through steps where
+    sequences finish and through batch rows."""
+    monkeypatch.setattr(kda_ops, "_BLOCK_TILE_HEADS", 3 * H)
+    if layout == "varlen":
+        cu, xs = torch.tensor(CU), make_inputs(1, CU[-1], N=len(CU) - 1, seed=19)
+    else:
+        cu, xs = None, make_inputs(3, 50, seed=19)
+    o_ref, S_ref, d_ref = run_with_grads(naive_recurrent_kda, xs, use_state=True, cu_seqlens=cu)
+    o, S, d = run_with_grads(chunk_kda_torch, xs, use_state=True, cu_seqlens=cu)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(S, S_ref, rtol=1e-10, atol=1e-10)
+    assert_close_all(d, d_ref, rtol=1e-9, atol=1e-9, what=f"runs of tiles, {layout}")
+
+
 def test_varlen_equals_each_sequence_alone():
     """Packing must not leak state: each packed sequence equals the same sequence run by itself."""
     cu = torch.tensor(CU)
