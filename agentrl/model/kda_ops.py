@@ -299,14 +299,17 @@ class _TileLayout:
 
     def gather(self, x_RHD: Tensor, lo: int, hi: int) -> Tensor:
         """Token rows `[R, H, D]` → tile slots lo..hi−1 `[J, H, C, D]` (one copy), zeros in the padding."""
-        x_JHCD = x_RHD.reshape(-1, x_RHD.shape[-1])[self.src_JHC[lo:hi]]
+        src_JHC = self.src_JHC[lo:hi]
+        # index_select: ~3× faster than advanced indexing for whole rows on CPU
+        x_JHCD = x_RHD.reshape(-1, x_RHD.shape[-1]).index_select(0, src_JHC.reshape(-1)).view(*src_JHC.shape, -1)
         if self.pad_J1C is not None:
             x_JHCD.masked_fill_(self.pad_J1C[lo:hi].unsqueeze(-1), 0.0)  # index's backward does not need its output
         return x_JHCD
 
     def scatter(self, x_JHCD: Tensor) -> Tensor:
         """Tiles `[J, H, C, D]` → token rows `[R, H, D]`, dropping the padding."""
-        return x_JHCD.reshape(-1, x_JHCD.shape[-1])[self.dst_RH]
+        D = x_JHCD.shape[-1]
+        return x_JHCD.reshape(-1, D).index_select(0, self.dst_RH.reshape(-1)).view(*self.dst_RH.shape, D)
 
 
 _TileFactors = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
