@@ -1,0 +1,27 @@
+"""vLLM general plugin: registers agentrl's hybrid model with vLLM's model registry.
+
+vLLM calls `register()` in every process it starts (front end, engine core, workers) through the entry point
+
+    [project.entry-points."vllm.general_plugins"]
+    agentrl = "agentrl.rollout.vllm_plugin:register"
+
+Which implementation serves a checkpoint: agentrl checkpoints say `architectures: ["KimiLinearForCausalLM"]`, the
+name of upstream vLLM's Kimi Linear / K3 class. The plugin registers its own name, `AgentRLHybridForCausalLM`, and
+does not take over `KimiLinearForCausalLM`: a plain `LLM(model=checkpoint)` keeps meaning upstream's class (GPU
+only), and the plugin is chosen per engine by `hf_overrides` (`engine.make_llm` does this; on CPU it is the only
+choice, on GPU `implementation="upstream"` keeps vLLM's class). Overriding the Kimi name on CPU would not be enough
+anyway: vLLM marks the "kimi_linear" model type as MLA, which the plugin's overrides also have to undo.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "AgentRLHybridForCausalLM"
+# Any model type outside vLLM's MLA list (vllm/transformers_utils/model_arch_config_convertor.py) will do.
+MODEL_TYPE = "agentrl_hybrid"
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, f"agentrl.rollout.vllm_model:{ARCHITECTURE}")
