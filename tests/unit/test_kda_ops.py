@@ -169,6 +169,14 @@ def test_varlen_equals_each_sequence_alone():
         torch.testing.assert_close(S[n : n + 1], S_n, rtol=1e-12, atol=1e-12)
 
 
+def test_empty_input_passes_the_state_through():
+    q, k, v, g, beta, S0 = make_inputs(2, 0)
+    for fn in (naive_recurrent_kda, chunk_kda_torch):
+        o, S = fn(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+        assert o.shape == (2, 0, H, V)
+        torch.testing.assert_close(S, S0, rtol=0, atol=0)
+
+
 def test_varlen_without_initial_state_and_without_final_state():
     cu = torch.tensor([0, 5, 37])
     q, k, v, g, beta, _ = make_inputs(1, 37, seed=9)
