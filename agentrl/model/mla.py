@@ -21,8 +21,9 @@ from agentrl.model.cache import MLAState
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.layers import RMSNorm, sequence_ids
 
-# Above this many packed tokens a block-diagonal mask costs more memory than a loop over sequences.
-_MAX_MASKED_TOKENS = 8192
+# A block-diagonal mask over all packed tokens costs T² scores; above this many tokens a loop over the sequences
+# (each its own causal SDPA) is cheaper.
+_MAX_MASKED_TOKENS = 1024
 
 
 def varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,

@@ -44,6 +44,12 @@ class Router(nn.Module):
         self.balancer = ExpertBalancer(num_experts=self.num_experts, top_k=self.top_k, method=config.moe_balancing,
                                        num_bins=config.moe_balancing_bins, sign_rate=config.moe_balancing_sign_rate)
 
+    def _apply(self, fn, recurse=True):
+        # the selection bias stays fp32 when the model is cast to bf16: bias differences of 1e-3 decide selections
+        super()._apply(fn, recurse)
+        self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
+
     def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """Top-K experts of the biased scores, restricted to the best groups when grouped. [T, K]"""
         biased = scores_TE + self.e_score_correction_bias

@@ -1,0 +1,139 @@
+"""Experiment tracking in MLflow: the resolved config, per-step metrics, readable transcripts.
+
+The only module that imports MLflow. The embedded default writes a sqlite store inside the run directory
+(`<run_dir>/mlflow.db`), so `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the reward curve of a
+local run; a tracking-server URI in the config (or MLFLOW_TRACKING_URI) sends everything to a shared server. Only the
+driver logs (trainer rank 0 reports its metrics through it), so curves never double.
+
+A resumed run reopens the same MLflow run (its id is kept in the run directory) and continues its curves at the
+step it resumes from.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.types import Trajectory
+
+RUN_ID_FILE = "mlflow_run_id"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingConfig:
+    experiment: str = "agentrl"
+    run_name: str | None = None
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite in the run directory
+    transcripts_every: int = 5  # log sample transcripts every n steps (0: never)
+    transcripts_per_step: int = 4
+
+    def __post_init__(self):
+        if self.transcripts_every < 0 or self.transcripts_per_step < 0:
+            raise ValueError("tracking.transcripts_every and transcripts_per_step must be >= 0")
+
+
+def default_tracking_uri(run_dir: str) -> str:
+    return "sqlite:///" + os.path.abspath(os.path.join(run_dir, "mlflow.db"))
+
+
+class Tracker:
+    """One MLflow run per training job."""
+
+    def __init__(self, config: TrackingConfig, run_dir: str):
+        import mlflow
+
+        self.mlflow = mlflow
+        self.config = config
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(run_dir)
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_experiment(config.experiment)
+        id_file = os.path.join(run_dir, RUN_ID_FILE)
+        previous = open(id_file).read().strip() if os.path.exists(id_file) else None
+        self.run = mlflow.start_run(run_id=previous) if previous else mlflow.start_run(run_name=config.run_name)
+        with open(id_file, "w") as f:
+            f.write(self.run.info.run_id)
+        self.client = mlflow.MlflowClient(self.uri)
+
+    @property
+    def run_id(self) -> str:
+        return self.run.info.run_id
+
+    def log_config(self, resolved: Mapping[str, Any], yaml_text: str) -> None:
+        """The whole resolved config as flattened params, and the YAML file as an artifact."""
+        params = {k: str(v)[:500] for k, v in _flatten(resolved).items()}
+        existing = self.client.get_run(self.run_id).data.params
+        new = {k: v for k, v in params.items() if k not in existing}  # params are immutable: a resume skips them
+        for i in range(0, len(new), 100):
+            self.mlflow.log_params(dict(list(new.items())[i:i + 100]))
+        self.mlflow.log_text(yaml_text, "config.yaml")
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and _finite(v)}
+        self.mlflow.log_metrics(clean, step=step)
+
+    def log_transcripts(self, trajectories: list[Trajectory], step: int, tokenizer=None) -> None:
+        """A few trajectories as an HTML page (readable in the MLflow UI) and JSON."""
+        if not self.config.transcripts_every or step % self.config.transcripts_every:
+            return
+        chosen = trajectories[: self.config.transcripts_per_step]
+        if not chosen:
+            return
+        records = [transcript_record(t) for t in chosen]
+        self.mlflow.log_text(json.dumps(records, indent=1), f"transcripts/step_{step:06d}.json")
+        self.mlflow.log_text(transcripts_html(records, step), f"transcripts/step_{step:06d}.html")
+
+    def metric_history(self, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.mlflow.end_run(status=status)
+
+
+def transcript_record(t: Trajectory) -> dict[str, Any]:
+    return {"trajectory_id": t.trajectory_id, "task_id": t.task_id, "env": t.env_id, "status": t.status.value,
+            "failure": t.failure.value if t.failure else None, "error": t.error, "reward": t.reward,
+            "reward_components": t.reward_components, "policy_versions": t.policy_versions,
+            "num_tokens": len(t.tokens), "num_sampled": t.num_sampled,
+            "turns": [{"role": turn.role, "text": turn.text} for turn in t.turns]}
+
+
+def transcripts_html(records: list[dict[str, Any]], step: int) -> str:
+    colors = {"system": "#eee", "user": "#e8f0fe", "assistant": "#e6f4ea", "tool": "#fef7e0"}
+    parts = [f"<html><head><meta charset='utf-8'><title>step {step}</title></head><body>",
+             f"<h1>Transcripts at step {step}</h1>"]
+    for r in records:
+        parts.append(f"<h2>{html.escape(r['env'])} task {html.escape(str(r['task_id']))}: {r['status']}, "
+                     f"reward {r['reward']:.3f} {html.escape(json.dumps(r['reward_components']))}</h2>")
+        if r["error"]:
+            parts.append(f"<p><b>error ({r['failure']}):</b> {html.escape(r['error'])}</p>")
+        for turn in r["turns"]:
+            parts.append(f"<div style='background:{colors.get(turn['role'], '#fff')};padding:6px;margin:4px'>"
+                         f"<b>{turn['role']}</b><pre style='white-space:pre-wrap'>{html.escape(turn['text'])}"
+                         "</pre></div>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _finite(v: Any) -> bool:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return False
+    return f == f and abs(f) != float("inf")
