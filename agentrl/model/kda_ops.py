@@ -312,39 +312,40 @@ class _TileLayout:
         return x_JHCD.reshape(-1, D).index_select(0, self.dst_RH.reshape(-1)).view(*self.dst_RH.shape, D)
 
 
-_TileFactors = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_TileFactors = tuple[Tensor, Tensor, Tensor, Tensor, float, Tensor, Tensor]
 
 
-def _tile_factors_bounded(
-    q_JHCK: Tensor, k_JHCK: Tensor, gam_JHCK: Tensor, beta_JHC: Tensor, scale: float
-) -> _TileFactors:
-    """The S₀-independent tile factors as dense matmuls; needs γ ∈ [−80, 0].
+def _tile_factors_bounded(q_JHCK: Tensor, k_JHCK: Tensor, g_JHCK: Tensor, beta_JHC: Tensor, scale: float) -> _TileFactors:
+    """The S₀-independent tile factors as dense matmuls; needs every tile's γ ∈ [−80, 0].
 
     Returns A `[J, H, C, C]` (strictly lower, β folded in), M `[J, H, C, C]` (lower incl. diagonal, scale folded in),
-    scale·Q⊙e^γ and β·K⊙e^γ `[J, H, C, K]`, K⊙e^{γ_C−γ} `[J, H, C, K]` and e^{γ_C} `[J, H, K]`.
+    Q⊙e^γ / c and K⊙e^γ / c `[J, H, C, K]` with their common factor c (a float), K⊙e^{γ_C−γ} `[J, H, C, K]` and
+    e^{γ_C} `[J, H, K]`.
     """
-    C = gam_JHCK.shape[2]
-    up_JHCK = (gam_JHCK + _TILE_SHIFT).exp()  # e^{γ+40} ∈ [e^-40, e^40]
+    J, H, C, K = k_JHCK.shape
+    # e^{γ+40} ∈ [e^-40, e^40], γ the inclusive cumsum over the tile, as one batched matmul with a ones triangle
+    tril_xCC = torch.ones(C, C, dtype=g_JHCK.dtype, device=g_JHCK.device).tril().expand(J * H, C, C)
+    shift = torch.tensor(_TILE_SHIFT, dtype=g_JHCK.dtype, device=g_JHCK.device)
+    up_JHCK = torch.baddbmm(shift, tril_xCC, g_JHCK.reshape(J * H, C, K)).view(J, H, C, K).exp()
     kdown_JHCK = k_JHCK / up_JHCK  # k e^{−γ−40}
     qup_JHCK = q_JHCK * up_JHCK
     kup_JHCK = k_JHCK * up_JHCK
     incl_CC = torch.ones(C, C, dtype=torch.bool, device=k_JHCK.device).tril()
     M_JHCC = (qup_JHCK @ kdown_JHCK.transpose(-1, -2)).masked_fill(~incl_CC, 0.0) * scale
     A_JHCC = (kup_JHCK @ kdown_JHCK.transpose(-1, -2)).masked_fill(~incl_CC.tril(-1), 0.0) * beta_JHC.unsqueeze(-1)
-    unshift = math.exp(-_TILE_SHIFT)
-    qdecay_JHCK = qup_JHCK * (scale * unshift)
-    bkdecay_JHCK = kup_JHCK * (beta_JHC * unshift).unsqueeze(-1)
     up_end_JHK = up_JHCK[:, :, -1]
     kend_JHCK = kdown_JHCK * up_end_JHK.unsqueeze(2)  # k e^{γ_C − γ} ≤ |k|
-    return A_JHCC, M_JHCC, qdecay_JHCK, bkdecay_JHCK, kend_JHCK, up_end_JHK * unshift
+    unshift = math.exp(-_TILE_SHIFT)
+    return A_JHCC, M_JHCC, qup_JHCK, kup_JHCK, unshift, kend_JHCK, up_end_JHK * unshift
 
 
 def _tile_factors_pairwise(
-    q_JHCK: Tensor, k_JHCK: Tensor, gam_JHCK: Tensor, beta_JHC: Tensor, scale: float
+    q_JHCK: Tensor, k_JHCK: Tensor, g_JHCK: Tensor, beta_JHC: Tensor, scale: float
 ) -> _TileFactors:
     """As `_tile_factors_bounded`, with A and M from masked pairwise decays e^{γ_t − γ_i} (t ≥ i): safe for any g."""
-    C = gam_JHCK.shape[2]
+    C = g_JHCK.shape[2]
     incl_CC = torch.ones(C, C, dtype=torch.bool, device=k_JHCK.device).tril()
+    gam_JHCK = incl_CC.to(g_JHCK.dtype) @ g_JHCK  # inclusive cumsum over the tile
     diff_JHCCK = gam_JHCK.unsqueeze(3) - gam_JHCK.unsqueeze(2)  # [.., t, i, K] = γ_t − γ_i
     decay_JHCCK = diff_JHCCK.masked_fill_(~incl_CC.unsqueeze(-1), float("-inf")).exp_()  # 0 above the diagonal
     ki_JHCCK = k_JHCK.unsqueeze(2) * decay_JHCCK  # k_i e^{γ_t − γ_i}
@@ -354,14 +355,7 @@ def _tile_factors_pairwise(
     decay_JHCK = gam_JHCK.exp()
     gam_end_JHK = gam_JHCK[:, :, -1]
     kend_JHCK = k_JHCK * (gam_end_JHK.unsqueeze(2) - gam_JHCK).exp()
-    return (
-        A_JHCC,
-        M_JHCC,
-        q_JHCK * decay_JHCK * scale,
-        k_JHCK * decay_JHCK * beta_JHC.unsqueeze(-1),
-        kend_JHCK,
-        gam_end_JHK.exp(),
-    )
+    return A_JHCC, M_JHCC, q_JHCK * decay_JHCK, k_JHCK * decay_JHCK, 1.0, kend_JHCK, gam_end_JHK.exp()
 
 
 def _inter_tile_pass(
@@ -461,7 +455,6 @@ def chunk_kda_torch(
         torch.split(layout.gather(x.to(dt).reshape(B * T, H, x.shape[-1])), [hi - lo for lo, hi, _ in blocks])
         for x in (q, k, v, g, beta.unsqueeze(-1))
     ]
-    tril_CC = torch.ones(C, C, dtype=dt, device=q.device).tril()
     tile_factors = _tile_factors_bounded if bounded else _tile_factors_pairwise
 
     S_NHKV = q.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
@@ -472,19 +465,20 @@ def chunk_kda_torch(
     # reaches it: the temporaries stay ~1 MiB (cache-sized, and no fresh pages from the allocator per op).
     for (_, _, step_counts), q_JHCK, k_JHCK, v_JHCV, g_JHCK, beta_JHC1 in zip(blocks, *tiles):
         beta_JHC = beta_JHC1.squeeze(-1)
-        gam_JHCK = tril_CC @ g_JHCK  # inclusive cumsum over the tile (a matmul is twice as fast as cumsum on CPU)
-        A_JHCC, M_JHCC, qdecay_JHCK, bkdecay_JHCK, kend_JHCK, decay_end_JHK = tile_factors(
-            q_JHCK, k_JHCK, gam_JHCK, beta_JHC, scale
+        A_JHCC, M_JHCC, qe_JHCK, ke_JHCK, e_scale, kend_JHCK, decay_end_JHK = tile_factors(
+            q_JHCK, k_JHCK, g_JHCK, beta_JHC, scale
         )
         # (I + A)^-1 of the unit-triangular C×C matrix, then products: on CPU ~5× cheaper than one solve with V + K
         # right-hand sides. A's zero diagonal stands for I's ones.
         eye_CC = torch.eye(C, dtype=dt, device=q.device).expand_as(A_JHCC)
         Tinv_JHCC = torch.linalg.solve_triangular(A_JHCC, eye_CC, upper=False, unitriangular=True)
-        # Z = [(I+A)^-1; M (I+A)^-1]: Z β V = [U; M U] and Z β(K⊙e^γ) = [W; M W], one matmul each (D = 2C rows)
+        # Z = [(I+A)^-1; M (I+A)^-1] diag(β): Z V = [U; M U] and Z (K⊙e^γ) = [W; M W], one matmul each (D = 2C rows);
+        # β and the factor c go onto Z's columns, which is cheaper than onto V's and K's rows.
         Z_JHDC = torch.cat([Tinv_JHCC, M_JHCC @ Tinv_JHCC], dim=2)
-        Y_JHDV = Z_JHDC @ (beta_JHC.unsqueeze(-1) * v_JHCV)
-        X_JHDK = Z_JHDC @ bkdecay_JHCK
-        X_JHDK[:, :, C:] -= qdecay_JHCK  # M W − scale Q⊙e^γ = −Q'; matmul's backward does not need its output
+        Y_JHDV = (Z_JHDC * beta_JHC.unsqueeze(-2)) @ v_JHCV
+        X_JHDK = (Z_JHDC * (beta_JHC * e_scale).unsqueeze(-2)) @ ke_JHCK
+        # M W − scale Q⊙e^γ = −Q' in the lower half; matmul's backward does not need its output
+        X_JHDK[:, :, C:].sub_(qe_JHCK, alpha=scale * e_scale)
         o_JHCV, S_NHKV = _inter_tile_pass(
             X_JHDK, Y_JHDV, kend_JHCK, decay_end_JHK, S_NHKV, step_counts, finished
         )
