@@ -124,10 +124,6 @@ class AgentLoop:
                 await self._env_call(env.set_state, json.loads(resume.env_state.decode()))
                 traj.env_state = None
                 traj.status = Status.COMPLETED
-                if resume.routed_experts is not None:  # keep the routing known so far; ask only for the rest
-                    known = int((resume.routed_experts.reshape(len(resume.routed_experts), -1) >= 0).all(-1).sum())
-                    traj.metadata["_routing"] = [resume.routed_experts[:known]]
-                    traj.routed_experts = None
             await self._turns(env, traj, budget)
         except asyncio.TimeoutError:
             self._fail(traj, Boundary.TOOL, f"the environment did not answer within {self.config.env_timeout_s}s")
@@ -210,16 +206,14 @@ class AgentLoop:
         sampling = SamplingSpec(temperature=self.config.sampling.temperature, top_p=self.config.sampling.top_p,
                                 top_k=self.config.sampling.top_k, max_tokens=max(1, max_tokens),
                                 allowed_token_ids=self.config.sampling.allowed_token_ids)
-        routing = traj.metadata.setdefault("_routing", [])
-        known = sum(len(r) for r in routing)
         t0 = time.perf_counter()
         try:
-            gen = await self.engine.generate(traj.tokens, sampling, [self.stop_id], routing_start=known or None)
+            gen = await self.engine.generate(traj.tokens, sampling, [self.stop_id])
         except Exception as exc:  # any engine failure is the model boundary's
             raise _EngineError(f"{type(exc).__name__}: {exc}") from exc
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
-        if gen.routed_experts is not None:
-            routing.append(gen.routed_experts.astype(np.int16))
+        if gen.routed_experts is not None:  # the engine's routing covers the whole sequence so far
+            traj.routed_experts = gen.routed_experts.astype(np.int16)
         return gen
 
     @staticmethod
@@ -230,11 +224,10 @@ class AgentLoop:
 
     @staticmethod
     def _finish_routing(traj: Trajectory) -> None:
-        """Joins the per-turn routing into [T, L, K]; tokens the engine never ran (the last sampled one) get −1."""
-        routing = traj.metadata.pop("_routing", None)
-        if not routing:
+        """Pads the routing to [T, L, K]: tokens the engine never ran (the last sampled one, appended glue) get −1."""
+        if traj.routed_experts is None:
             return
-        rows = np.concatenate(routing)[: len(traj.tokens)]
+        rows = traj.routed_experts[: len(traj.tokens)]
         if len(rows) < len(traj.tokens):
             pad = np.full((len(traj.tokens) - len(rows), *rows.shape[1:]), -1, dtype=np.int16)
             rows = np.concatenate([rows, pad])

@@ -44,7 +44,7 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # policy version of each sampled token
     finish_reason: str | None = None  # "stop", "length", "abort"
-    routed_experts: np.ndarray | None = None  # [n, L, K] for the prompt tokens from `routing_start` onwards + output
+    routed_experts: np.ndarray | None = None  # [n, L, K]: the whole sequence the engine ran (see generate)
     num_cached_tokens: int = 0
 
 
@@ -58,48 +58,60 @@ class EngineSpec:
     kv_cache_memory_bytes: int | None = 256 * 1024**2
     enable_prefix_caching: bool = True
     seed: int = 0
-    return_routed_experts: bool = False
-    worker_extension_cls: str | None = None
-    block_size: int | None = None
+    return_routed_experts: bool = False  # record the experts each token was routed to (MoE models)
+    implementation: str = "auto"  # for agentrl checkpoints: "agentrl" plugin, "upstream" vLLM (GPU), "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # any other vLLM AsyncEngineArgs
 
 
 class PolicyEngine:
     """One AsyncLLM serving the current policy version."""
 
-    def __init__(self, llm: Any, version: int = 0,
-                 reload_fn: Callable[[Any, str], Any] | None = None):
+    def __init__(self, llm: Any, version: int = 0, plugin: bool = False,
+                 reload_fn: Callable[[Any, str, int], Any] | None = None):
         self.llm = llm
         self.version = version
+        self._capture_routing = plugin  # the agentrl plugin records routing per request
         self._reload_fn = reload_fn or _reload_from_directory
         self._ids = itertools.count()
 
     @classmethod
-    def create(cls, spec: EngineSpec, version: int = 0) -> PolicyEngine:
+    async def create(cls, spec: EngineSpec, version: int = 0) -> PolicyEngine:
+        """Builds the AsyncLLM. agentrl checkpoints (model_type kimi_linear) are served by the agentrl plugin on CPU
+        (upstream vLLM's Kimi model on CUDA when `implementation` is "auto"), with versioned in-place weight updates
+        and routing capture; any other model vLLM supports is served natively and reloads with vLLM's own
+        `reload_weights`."""
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs: dict[str, Any] = dict(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
-                                      enforce_eager=True, enable_prefix_caching=spec.enable_prefix_caching,
-                                      seed=spec.seed, skip_tokenizer_init=True,
-                                      logprobs_mode="processed_logprobs", disable_log_stats=True)
-        if spec.kv_cache_memory_bytes:
-            kwargs["kv_cache_memory_bytes"] = spec.kv_cache_memory_bytes
-        if spec.return_routed_experts:
-            kwargs["enable_return_routed_experts"] = True
-        if spec.worker_extension_cls:
-            kwargs["worker_extension_cls"] = spec.worker_extension_cls
-        if spec.block_size:
-            kwargs["block_size"] = spec.block_size
-        kwargs.update(spec.extra)
-        return cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), version=version)
+        from agentrl.rollout import engine as engines
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int],
-                       routing_start: int | None = None) -> Generation:
+        if _model_type(spec.model) == "kimi_linear":
+            kwargs = engines.engine_kwargs(spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
+                                           enable_prefix_caching=spec.enable_prefix_caching, seed=spec.seed,
+                                           kv_cache_memory_bytes=spec.kv_cache_memory_bytes or 256 << 20,
+                                           implementation=spec.implementation, skip_tokenizer_init=True,
+                                           disable_log_stats=True, **spec.extra)
+        else:
+            kwargs = dict(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=True,
+                          enable_prefix_caching=spec.enable_prefix_caching, seed=spec.seed, skip_tokenizer_init=True,
+                          logprobs_mode="processed_logprobs", disable_log_stats=True, **spec.extra)
+            if spec.kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = spec.kv_cache_memory_bytes
+            if spec.return_routed_experts:
+                kwargs["enable_return_routed_experts"] = True
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        plugin = kwargs.get("worker_extension_cls") == engines.WORKER_EXTENSION
+        if plugin:
+            await llm.collective_rpc("agentrl_setup", kwargs={"capture_routing": spec.return_routed_experts,
+                                                              "version": version})
+        return cls(llm, version=version, plugin=plugin and spec.return_routed_experts,
+                   reload_fn=_reload_agentrl if plugin else None)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int]) -> Generation:
         """Samples one continuation of `prompt_ids`, streaming so each token's policy version is known.
 
-        `routing_start`: when routed experts are returned, skip the routing of the first `routing_start` prompt
-        tokens (those a multi-turn caller already has).
+        With routing capture, `routed_experts` covers the whole sequence the engine ran: rows 0..n−1 for the prompt
+        and the sampled tokens except the last (never run through the model).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -110,8 +122,6 @@ class PolicyEngine:
                                       detokenize=False, output_kind=RequestOutputKind.DELTA)
         if sampling.allowed_token_ids is not None:
             params["allowed_token_ids"] = sampling.allowed_token_ids
-        if routing_start:
-            params["routed_experts_prompt_start"] = routing_start
         request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         out = Generation()
         routing: list[np.ndarray] = []
@@ -133,13 +143,17 @@ class PolicyEngine:
             raise RuntimeError(f"engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} logprobs")
         if routing:
             out.routed_experts = np.concatenate(routing) if len(routing) > 1 else routing[0]
+        if self._capture_routing:
+            from agentrl.rollout.engine import take_routed_experts_async
+
+            out.routed_experts = (await take_routed_experts_async(self.llm, [request_id])).get(request_id)
         return out
 
     async def update_weights(self, path: str, version: int) -> None:
         """Pauses generation (in-flight requests frozen), loads the weights at `path`, resumes at `version`."""
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._reload_fn(self.llm, path)
+            await self._reload_fn(self.llm, path, version)
             await self.llm.reset_prefix_cache(reset_running_requests=True)
             self.version = version
         finally:
@@ -152,9 +166,27 @@ class PolicyEngine:
         self.llm.shutdown()
 
 
-async def _reload_from_directory(llm: Any, path: str) -> Any:
+async def _reload_from_directory(llm: Any, path: str, version: int) -> Any:
     """vLLM's built-in reload: re-reads a checkpoint directory in place (any model vLLM serves natively)."""
     return await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+
+async def _reload_agentrl(llm: Any, path: str, version: int) -> Any:
+    """The agentrl plugin's versioned in-place update (the caller has paused generation)."""
+    from agentrl.rollout.engine import update_weights_async
+
+    return await update_weights_async(llm, path, version, require_idle=False)
+
+
+def _model_type(model_dir: str) -> str | None:
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("model_type")
 
 
 async def gather_limited(coros, limit: int):

@@ -30,13 +30,26 @@ class RolloutWorker:
         self.spec = engine_spec
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.engine = engine or PolicyEngine.create(engine_spec, version=version)
-        self.loop = AgentLoop(self.engine, self.tokenizer, config, EnvPool())
+        self.initial_version = version
+        self.engine = engine
+        self.loop = AgentLoop(engine, self.tokenizer, config, EnvPool()) if engine is not None else None
+        self._starting: asyncio.Lock | None = None
+
+    async def _ready(self) -> PolicyEngine:
+        """The engine, built on first use (inside the actor's event loop, where AsyncLLM must live)."""
+        if self.engine is None:
+            self._starting = self._starting or asyncio.Lock()
+            async with self._starting:
+                if self.engine is None:
+                    self.engine = await PolicyEngine.create(self.spec, version=self.initial_version)
+                    self.loop = AgentLoop(self.engine, self.tokenizer, self.config, EnvPool())
+        return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
                        token_budget: int | None = None) -> list[Trajectory]:
         """Runs the requested episodes and continues the partial ones, all concurrently; returns every trajectory
         (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first)."""
+        await self._ready()
         budget = TokenBudget(token_budget)
         semaphore = asyncio.Semaphore(self.config.max_concurrent_episodes)
 
@@ -57,18 +70,25 @@ class RolloutWorker:
         return list(trajectories)
 
     async def update_weights(self, path: str, version: int) -> int:
-        await self.engine.update_weights(path, version)
-        return self.engine.version
+        engine = await self._ready()
+        await engine.update_weights(path, version)
+        return engine.version
 
-    def version(self) -> int:
-        return self.engine.version
+    async def version(self) -> int:
+        return (await self._ready()).version
 
     async def ping(self) -> int:
-        await self.engine.check_health()
-        return self.engine.version
+        engine = await self._ready()
+        await engine.check_health()
+        return engine.version
+
+    def set_max_trajectory_tokens(self, limit: int) -> None:
+        """The context schedule's current limit (applies to episodes started or resumed from now on)."""
+        self.config.max_trajectory_tokens = limit
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 def rollout_worker_actor(num_cpus: float = 1.0, num_gpus: float = 0.0, **options: Any):

@@ -75,7 +75,7 @@ def setup(tmp_path_factory):
     runner = LoopThread()
 
     async def create():
-        return PolicyEngine.create(EngineSpec(model=model_a, max_model_len=4096, kv_cache_memory_bytes=128 << 20))
+        return await PolicyEngine.create(EngineSpec(model=model_a, max_model_len=4096, kv_cache_memory_bytes=128 << 20))
 
     engine = runner.run(create())
     # printable ASCII except '<' (which could spell a protocol tag), plus the end-of-turn token

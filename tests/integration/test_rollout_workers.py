@@ -1,0 +1,79 @@
+"""Rollout workers: the hybrid model through the serving plugin (routing capture feeds replay), and Ray actors that
+die and are replaced with their episodes rerun."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.init_model import init_model
+from agentrl.model.modeling import HybridMoEForCausalLM
+from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
+from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
+from agentrl.rollout.worker import RolloutPool, RolloutWorker, rollout_worker_actor
+from agentrl.types import Status
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return init_model(str(tmp_path_factory.mktemp("hybrid") / "ckpt"), preset="tiny", vocab_size=600,
+                      env_ids=("agentrl/Calc-v0",), seed=3)
+
+
+def requests(n: int, group: str = "g") -> list[EpisodeRequest]:
+    return [EpisodeRequest(env_id="agentrl/Calc-v0", task_index=i, group_id=f"{group}{i // 2}",
+                           trajectory_id=f"{group}-{i}", seed=i, env_kwargs={"max_turns": 2}) for i in range(n)]
+
+
+CONFIG = RolloutConfig(group_size=2, sampling=SamplingSpec(temperature=1.0, max_tokens=24),
+                       max_trajectory_tokens=1024, max_concurrent_episodes=8)
+
+
+def test_hybrid_rollouts_record_routing_that_replays_the_engines_logprobs(hybrid_dir):
+    worker = RolloutWorker(EngineSpec(model=hybrid_dir, max_model_len=2048, return_routed_experts=True),
+                           hybrid_dir, CONFIG)
+    loop = asyncio.new_event_loop()
+    try:
+        trajs = loop.run_until_complete(worker.generate(requests(4)))
+    finally:
+        worker.shutdown()
+        loop.close()
+    model = HybridMoEForCausalLM.from_pretrained(hybrid_dir).eval()
+    for traj in trajs:
+        assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.error
+        routing = traj.routed_experts
+        assert routing is not None and routing.shape == (len(traj.tokens), len(model.moe_layers),
+                                                          model.config.num_experts_per_token)
+        ran = (routing >= 0).all(axis=(1, 2))
+        assert ran[: traj.prompt_length].all() and not ran[-1]  # the last sampled token never ran
+        ids = torch.tensor(traj.tokens)
+        with torch.no_grad():
+            own = model(ids[None]).routed_experts.numpy()
+            replay = model(ids[None, :-1], target_ids=ids[None, 1:],
+                           forced_experts=torch.from_numpy(routing[:-1].astype(np.int64)))
+        # the engine chose the experts agentrl chooses, and replaying them reproduces its log-probabilities
+        assert np.array_equal(np.sort(own[ran], -1), np.sort(routing[ran], -1))
+        mask = torch.tensor(traj.loss_mask[1:], dtype=torch.bool)
+        torch.testing.assert_close(replay.token_logprobs[0][mask], torch.tensor(traj.logprobs[1:])[mask],
+                                   atol=1e-4, rtol=0)
+
+
+def test_a_dead_worker_is_replaced_and_its_episodes_rerun(ray_session, hybrid_dir):
+    ray = ray_session
+    actor = rollout_worker_actor(num_cpus=1)
+    pool = RolloutPool(actor, 1, (EngineSpec(model=hybrid_dir, max_model_len=2048), hybrid_dir, CONFIG))
+    try:
+        first = pool.generate(requests(2, "a"))
+        assert len(first) == 2 and all(t.status != Status.FAILED for t in first)
+        ray.kill(pool.workers[0])
+        again = pool.generate(requests(4, "b"))
+        assert pool.restarts == 1
+        assert sorted(t.trajectory_id for t in again) == [f"b-{i}" for i in range(4)]
+        assert all(t.status in (Status.COMPLETED, Status.TRUNCATED) for t in again)
+    finally:
+        pool.shutdown()
