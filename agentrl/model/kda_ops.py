@@ -472,8 +472,8 @@ def chunk_kda_torch(
         # right-hand sides. A's zero diagonal stands for I's ones.
         eye_CC = torch.eye(C, dtype=dt, device=q.device).expand_as(A_JHCC)
         Tinv_JHCC = torch.linalg.solve_triangular(A_JHCC, eye_CC, upper=False, unitriangular=True)
-        # Z = [(I+A)^-1; M (I+A)^-1] diag(β): Z V = [U; M U] and Z (K⊙e^γ) = [W; M W], one matmul each (D = 2C rows);
-        # β and the factor c go onto Z's columns, which is cheaper than onto V's and K's rows.
+        # Z = [(I+A)^-1; M (I+A)^-1] (D = 2C rows): Z diag(β) V = [U; M U] and Z diag(β) (K⊙e^γ) = [W; M W], one
+        # matmul each; β and the factor c scale Z's columns, which is cheaper than scaling V's and K's rows.
         Z_JHDC = torch.cat([Tinv_JHCC, M_JHCC @ Tinv_JHCC], dim=2)
         Y_JHDV = (Z_JHDC * beta_JHC.unsqueeze(-2)) @ v_JHCV
         X_JHDK = (Z_JHDC * (beta_JHC * e_scale).unsqueeze(-2)) @ ke_JHCK
