@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
+from dataclasses import replace
 from typing import Any
 
 from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, RolloutConfig, TokenBudget
-from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
+from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine, SamplingSpec
 from agentrl.types import Boundary, Status, Trajectory
 
 log = logging.getLogger(__name__)
@@ -46,16 +48,22 @@ class RolloutWorker:
         return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-                       token_budget: int | None = None) -> list[Trajectory]:
+                       token_budget: int | None = None, temperature: float | None = None) -> list[Trajectory]:
         """Runs the requested episodes and continues the partial ones, all concurrently; returns every trajectory
-        (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first)."""
+        (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first).
+        `temperature` overrides the sampling temperature for these episodes (0: greedy, for evaluation)."""
         await self._ready()
         budget = TokenBudget(token_budget)
         semaphore = asyncio.Semaphore(self.config.max_concurrent_episodes)
+        loop = self.loop
+        if temperature is not None:
+            sampling = SamplingSpec(temperature=temperature, top_p=self.config.sampling.top_p,
+                                    top_k=self.config.sampling.top_k, max_tokens=self.config.sampling.max_tokens)
+            loop = AgentLoop(self.engine, self.tokenizer, replace(self.config, sampling=sampling), self.loop.envs)
 
         async def one(request: EpisodeRequest, resume: Trajectory | None) -> Trajectory:
             async with semaphore:
-                return await self.loop.run(request, budget, resume)
+                return await loop.run(request, budget, resume)
 
         jobs = [one(r, None) for r in requests]
         for partial in resumes or []:
@@ -127,30 +135,44 @@ class RolloutPool:
         if self.weights is not None:
             ray.get(self.workers[index].update_weights.remote(*self.weights))
 
-    def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-                 token_budget: int | None = None) -> list[Trajectory]:
-        import ray
-
-        shares = [([], []) for _ in self.workers]
-        for i, request in enumerate(requests):  # a group's members go to one worker: they share the prompt prefix
-            shares[hash(request.group_id) % len(shares)][0].append(request)
+    def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+               token_budget: int | None = None, temperature: float | None = None) -> list[tuple[int, tuple, Any]]:
+        """Starts the episodes on the workers without waiting; `collect` returns them."""
+        shares: list[tuple[list, list]] = [([], []) for _ in self.workers]
+        for request in requests:  # a group's members go to one worker: they share the prompt prefix
+            shares[_stable_hash(request.group_id) % len(shares)][0].append(request)
         for i, partial in enumerate(resumes or []):
             shares[i % len(shares)][1].append(partial)
         budget = None if token_budget is None else max(1, token_budget // len(self.workers))
+        return [(i, (reqs, parts, budget, temperature), self.workers[i].generate.remote(reqs, parts, budget,
+                                                                                      temperature))
+                for i, (reqs, parts) in enumerate(shares) if reqs or parts]
+
+    def collect(self, submitted: list[tuple[int, tuple, Any]]) -> list[Trajectory]:
+        """Waits for submitted episodes; a dead worker is replaced and its share rerun once."""
+        import ray
+
         out: list[Trajectory] = []
-        pending = {i: self.workers[i].generate.remote(reqs, parts, budget) for i, (reqs, parts) in enumerate(shares)
-                   if reqs or parts}
-        for i, ref in pending.items():
+        for i, args, ref in submitted:
             try:
                 out.extend(ray.get(ref))
             except ray.exceptions.RayActorError:
                 self._replace(i)
                 try:
-                    out.extend(ray.get(self.workers[i].generate.remote(*shares[i], budget)))
+                    out.extend(ray.get(self.workers[i].generate.remote(*args)))
                 except ray.exceptions.RayActorError as exc:
                     self._replace(i)
-                    out.extend(_failed(shares[i][0], shares[i][1], f"rollout worker died twice: {exc}"))
+                    out.extend(_failed(args[0], args[1], f"rollout worker died twice: {exc}"))
         return out
+
+    def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+                 token_budget: int | None = None, temperature: float | None = None) -> list[Trajectory]:
+        return self.collect(self.submit(requests, resumes, token_budget, temperature))
+
+    def set_max_trajectory_tokens(self, limit: int) -> None:
+        import ray
+
+        ray.get([w.set_max_trajectory_tokens.remote(limit) for w in self.workers])
 
     def update_weights(self, path: str, version: int) -> None:
         import ray
@@ -168,6 +190,10 @@ class RolloutPool:
 
         for worker in self.workers:
             ray.kill(worker)
+
+
+def _stable_hash(text: str) -> int:
+    return zlib.crc32(text.encode())
 
 
 def _failed(requests: list[EpisodeRequest], partials: list[Trajectory], error: str) -> list[Trajectory]:
