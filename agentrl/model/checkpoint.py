@@ -70,9 +70,14 @@ def from_checkpoint_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch
 
 def save_checkpoint(model: torch.nn.Module, directory: str, *, shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Writes config.json and safetensors shards; returns the shard file names."""
+    return save_state_dict(model.state_dict(), model.config, directory, shard_bytes=shard_bytes)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], config, directory: str, *,
+                    shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """`save_checkpoint` from a training-layout state dict (e.g. one gathered from ZeRO-3 shards) and its config."""
     os.makedirs(directory, exist_ok=True)
-    model.config.save_pretrained(directory)
-    state = model.state_dict()
+    config.save_pretrained(directory)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in to_checkpoint_tensors(state):
