@@ -1,0 +1,91 @@
+"""DeepSpeed ranks as Ray actors: `ray.remote(PolicyTrainer)`, one per bundle of a placement group.
+
+The driver sees every remote call:
+
+    group = create_trainer_group(config, "/ckpt/initial", num_ranks=2)
+    batch_ref = ray.put(batch.trajectories)          # one copy in the object store, read by every rank
+    metrics = ray.get([r.step.remote(batch_ref) for r in group.ranks])[0]
+    published = ray.get([r.publish_weights.remote() for r in group.ranks])[0]
+
+Rank 0's node address and a free port there are found by a zero-CPU task in the first bundle, then every rank is
+created with its RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and joins the process group in its
+constructor. With GPUs, Ray gives each actor one device (CUDA_VISIBLE_DEVICES), so its local rank is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, \
+    remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from agentrl.trainer.config import TrainerConfig
+
+PolicyTrainerActor = None  # ray.remote(PolicyTrainer), made on first use so that importing this needs no DeepSpeed
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous_address() -> tuple[str, int]:
+    from agentrl.trainer.policy_trainer import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+@dataclass(kw_only=True)
+class TrainerGroup:
+    """The rank actors (call methods on all of them, in the same order) and their placement group."""
+
+    ranks: list[Any]
+    placement_group: PlacementGroup
+
+    def shutdown(self) -> None:
+        """Kills the rank actors and frees their resources."""
+        for actor in self.ranks:
+            ray.kill(actor)
+        remove_placement_group(self.placement_group)
+
+
+def create_trainer_group(config: TrainerConfig, model: Any, *, num_ranks: int, num_cpus_per_rank: float = 1,
+                         num_gpus_per_rank: float = 0, strategy: str = "PACK") -> TrainerGroup:
+    """Places `num_ranks` PolicyTrainer actors and waits until every one has joined the process group.
+
+    `model` is what PolicyTrainer takes: preferably a checkpoint path (every rank loads it) or a HybridMoEConfig.
+    On CPU each rank uses `num_cpus_per_rank` torch threads unless config.num_threads says otherwise.
+    """
+    global PolicyTrainerActor
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if PolicyTrainerActor is None:
+        from agentrl.trainer.policy_trainer import PolicyTrainer
+
+        PolicyTrainerActor = ray.remote(PolicyTrainer)
+    if config.num_threads is None and not num_gpus_per_rank:
+        config = dataclasses.replace(config, num_threads=max(1, int(num_cpus_per_rank)))
+    bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+    pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
+    ray.get(pg.ready())
+    master_addr, master_port = ray.get(_rendezvous_address.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote())
+    node_of = placement_group_table(pg)["bundles_to_node_id"]
+    local_ranks = [sum(node_of[j] == node_of[r] for j in range(r)) for r in range(num_ranks)]
+    ranks = [
+        PolicyTrainerActor.options(
+            num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        ).remote(config, model, rank=r, world_size=num_ranks, master_addr=master_addr, master_port=master_port,
+                 local_rank=0 if num_gpus_per_rank else local_ranks[r])
+        for r in range(num_ranks)
+    ]
+    try:
+        ray.get([r.info.remote() for r in ranks])
+    except Exception:
+        TrainerGroup(ranks=ranks, placement_group=pg).shutdown()
+        raise
+    return TrainerGroup(ranks=ranks, placement_group=pg)
+
+
+__all__ = ["TrainerGroup", "create_trainer_group"]

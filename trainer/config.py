@@ -1,0 +1,69 @@
+"""The trainer's configuration (kept apart from the DeepSpeed code so configs load without importing DeepSpeed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agentrl.trainer.losses import LossConfig
+
+DTYPES = ("auto", "bf16", "fp32")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The policy optimizer's settings.
+
+    Args:
+        run_dir: checkpoints go to `<run_dir>/checkpoints/`, published weights to `<run_dir>/weights/`.
+        zero_stage: 2 (optimizer state and gradients sharded) or 3 (parameters sharded too).
+        dtype: "bf16", "fp32" or "auto" (bf16 on GPU, fp32 on CPU, where fp32 is faster without AVX-512 BF16).
+        lr, betas, adam_eps, weight_decay: torch AdamW (weight decay only on matrices, not norms or gates).
+        warmup_steps: linear learning-rate warm-up from 0.
+        grad_clip: global gradient-norm clip (0 disables).
+        micro_batch_tokens: token budget of one packed micro-batch.
+        gradient_checkpointing: recompute each sub-layer in the backward pass.
+        routing_replay: train with the experts the engine chose (R3) when trajectories carry them.
+        temperature: the sampling temperature whose log-probs the engine recorded.
+        seed: initialises a model built from a config and the RNGs.
+        loss: the objective (LossConfig; kind="sft" for supervised warm starts).
+        keep_weight_versions: published versions kept on disk.
+        zero3_param_persistence_threshold: ZeRO-3 leaves parameters smaller than this unsharded.
+        num_threads: torch intra-op threads per rank (None: leave as set).
+        dist_timeout_s: collective time-out.
+    """
+
+    run_dir: str
+    zero_stage: int = 2
+    dtype: str = "auto"
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384
+    gradient_checkpointing: bool = True
+    routing_replay: bool = True
+    temperature: float = 1.0
+    seed: int = 0
+    loss: LossConfig = field(default_factory=LossConfig)
+    keep_weight_versions: int = 3
+    zero3_param_persistence_threshold: int = 100_000
+    num_threads: int | None = None
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (2, 3):
+            raise ValueError(f"TrainerConfig.zero_stage must be 2 or 3, got {self.zero_stage}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainerConfig.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.lr <= 0:
+            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+        if self.micro_batch_tokens < 2:
+            raise ValueError(f"TrainerConfig.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ValueError(f"warmup_steps and grad_clip must be >= 0, got {self.warmup_steps}, {self.grad_clip}")
+        if self.keep_weight_versions < 1:
+            raise ValueError(f"TrainerConfig.keep_weight_versions must be >= 1, got {self.keep_weight_versions}")

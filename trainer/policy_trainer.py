@@ -1,0 +1,320 @@
+"""PolicyTrainer: one DeepSpeed data-parallel rank of the policy optimizer.
+
+Every rank is given the *same* list of trajectories for a step and plans the step identically (trainer/batching.py):
+it takes its share of the sequences, packed into micro-batches by a token budget, runs one forward and backward per
+micro-batch (padding so all ranks run as many), then one optimizer step, then the Quantile Balancing bias update of
+every MoE layer from histograms summed over the ranks. The loss of each micro-batch is already normalised over the
+whole step batch, and DeepSpeed averages gradients over the ranks, so each rank scales its loss by the world size:
+the gradient is that of the whole batch's loss, however it was split.
+
+`step(trajectories)` → metrics; `publish_weights()` → PublishedWeights (`<run_dir>/weights/v{N}`);
+`save_checkpoint()` / `load_checkpoint()` (model, optimizer, QB biases, step, version, RNG and whatever the caller
+adds, e.g. the store's position); `logprobs(trajectories)` for evaluation. SFT is the same step with
+`LossConfig(kind="sft")`. All of them are collective: every rank calls them, in the same order.
+
+The Ray actor is `ray.remote(PolicyTrainer)` (trainer/actor.py places the ranks); the class works without Ray, e.g.
+with world_size=1 or under torchrun-style launchers.
+
+Muon is not offered: ZeRO-2/3 hand the optimizer flat shards of the parameters, and Muon's orthogonalisation needs
+each whole matrix. A frozen copy of the initial model is the KL reference (kl_coef > 0); under ZeRO-3 it is not
+sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from agentrl.model.config import HybridMoEConfig
+from agentrl.model.modeling import HybridMoEForCausalLM
+from agentrl.trainer import zero
+from agentrl.trainer.batching import pack, plan_step
+from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+from agentrl.trainer.losses import LossConfig, grpo_advantages
+from agentrl.trainer.publish import PublishedWeights, write_weights
+from agentrl.types import Trajectory
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class PolicyTrainer:
+    """One DeepSpeed rank (see the module docstring).
+
+    Args:
+        config: TrainerConfig.
+        model: a checkpoint directory (every rank loads it), a HybridMoEConfig (built with `config.seed` on every
+            rank, so all start equal) or a model instance (world_size 1, or identical on every rank).
+        rank, world_size, local_rank: this rank's place (local_rank defaults to rank).
+        master_addr, master_port: rank 0's rendezvous address (port: a free one when world_size is 1).
+    """
+
+    def __init__(self, config: TrainerConfig, model: str | os.PathLike | HybridMoEConfig | HybridMoEForCausalLM, *,
+                 rank: int = 0, world_size: int = 1, local_rank: int | None = None,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if master_port is None:
+            if world_size > 1:
+                raise ValueError("master_port is required with world_size > 1 (every rank must use the same one)")
+            master_port = free_port()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.backend = zero.init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
+                                               master_port=master_port, timeout_s=config.dist_timeout_s,
+                                               local_rank=rank if local_rank is None else local_rank)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else \
+            torch.device("cpu")
+        bf16 = config.dtype == "bf16" or (config.dtype == "auto" and self.device.type == "cuda")
+        _seed_everything(config.seed)
+        self.policy = _build_model(model, config.seed).float()
+        if config.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.reference = None
+        if config.loss.kl_coef > 0:
+            ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            ref = ref.to(device=self.device, dtype=torch.bfloat16 if bf16 else torch.float32)
+            self.reference = PackedPolicy(ref, config.temperature)
+        self.module = PackedPolicy(self.policy, config.temperature)
+        if config.zero_stage == 3:
+            zero.prepare_zero3(self.module, self.policy)
+        decay = [p for n, p in self.module.named_parameters() if p.ndim >= 2 and "_res_proj" not in n]
+        no_decay = [p for n, p in self.module.named_parameters() if not (p.ndim >= 2 and "_res_proj" not in n)]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=config.lr, betas=config.betas, eps=config.adam_eps)
+        warmup = config.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        ds_config = zero.engine_config(zero_stage=config.zero_stage, bf16=bf16, grad_clip=config.grad_clip,
+                                       zero3_param_persistence_threshold=config.zero3_param_persistence_threshold)
+        self.engine = zero.initialize(self.module, optimizer, ds_config, scheduler)
+        self.global_step = 0
+        self.version = 0  # policy version: optimizer steps taken since the initial weights
+
+    # --- training -------------------------------------------------------------------------------------------------
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One optimizer step on a batch (the same list on every rank); returns metrics summed over the ranks."""
+        start = time.perf_counter()
+        loss_cfg = self.config.loss
+        if loss_cfg.kind == "sft":
+            advantages: list[float | None] = [0.0] * len(trajectories)
+        else:
+            advantages = grpo_advantages(trajectories, normalize_std=loss_cfg.normalize_adv_std)
+        trajectories = self._maybe_without_routing(trajectories)
+        plan = plan_step(trajectories, advantages, world_size=self.world_size,
+                         token_budget=self.config.micro_batch_tokens, aggregation=loss_cfg.aggregation,
+                         norm_constant=loss_cfg.norm_constant, num_moe_layers=len(self.policy.moe_layers))
+        self.engine.train()
+        sums: Counter[str] = Counter()
+        micro_batches = plan.per_rank[self.rank]
+        for micro in micro_batches:
+            with self._routers_observe(not micro.is_padding):
+                out = micro_batch_loss(self.engine, micro, loss_cfg, reference=self.reference, device=self.device)
+                self.engine.backward(out.loss * self.world_size)
+            sums.update(out.sums)
+            sums["loss"] += float(out.loss.detach())
+            if not micro.is_padding:
+                sums["packed_tokens"] += micro.num_tokens
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        loads = self.policy.update_expert_bias(all_reduce=zero.all_reduce_sum)
+        self.global_step += 1
+        self.version += 1
+        totals = self._sum_over_ranks(sums)
+        seconds = time.perf_counter() - start
+        metrics = _loss_metrics(totals, loss_cfg)
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.engine.get_lr()[0]), step=self.global_step, version=self.version,
+            num_sequences=plan.num_sequences, num_skipped=len(plan.skipped), micro_batches=len(micro_batches),
+            packed_tokens=totals["packed_tokens"], step_s=seconds, tokens_per_s=totals["packed_tokens"] / seconds)
+        if loads:
+            metrics["expert_load_max_over_mean"] = max(loads.values())
+            metrics.update({f"expert_load/{layer}": v for layer, v in loads.items()})
+        return metrics
+
+    @torch.no_grad()
+    def logprobs(self, trajectories: Sequence[Trajectory], *, routing_replay: bool = False) -> list[np.ndarray]:
+        """The current policy's log-prob of each token given the previous ones (index 0 is 0.0), per trajectory.
+
+        Collective under ZeRO-3 (every rank computes all trajectories).
+        """
+        self.engine.eval()
+        out: list[np.ndarray] = []
+        for t in trajectories:
+            t = t if routing_replay else _without_routing(t)
+            micro = pack([t], [0], [0.0], [0.0])
+            args = (micro.input_ids_T.to(self.device), micro.cu_seqlens.to(self.device),
+                    micro.target_ids_T.to(self.device),
+                    None if micro.forced_experts_TLK is None else micro.forced_experts_TLK.to(self.device))
+            logp, _ = self.engine(*args)
+            out.append(np.concatenate([[0.0], logp.float().cpu().numpy()]))
+        self.engine.train()
+        return out
+
+    def info(self) -> dict[str, object]:
+        """Where this rank stands (cheap; also tells a Ray driver that construction finished)."""
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in self.policy.parameters())  # ZeRO-3: full sizes
+        return {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
+                "device": str(self.device), "zero_stage": self.config.zero_stage, "step": self.global_step,
+                "version": self.version, "parameters": total}
+
+    def replica_checksum(self) -> str:
+        """sha256 of this rank's full weights and buffers (QB biases included): equal on every rank. Collective."""
+        return zero.replica_digest(self.policy, zero_stage=self.config.zero_stage)
+
+    # --- weights and checkpoints ----------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The policy's full state dict (training layout, CPU) on rank 0; None on the others. Collective."""
+        return zero.gather_state_dict(self.policy, zero_stage=self.config.zero_stage, rank=self.rank)
+
+    def publish_weights(self) -> PublishedWeights:
+        """Writes the current weights to `<run_dir>/weights/v{version}`; every rank returns the same record."""
+        start = time.perf_counter()
+        state = self.full_state_dict()
+        gather_s = time.perf_counter() - start
+        record = [None]
+        if self.rank == 0:
+            record[0] = write_weights(state, self.policy.config, self.config.run_dir, self.version,
+                                      keep_last=self.config.keep_weight_versions, gather_s=gather_s)
+        dist.broadcast_object_list(record, src=0)
+        return record[0]
+
+    def save_checkpoint(self, client_state: dict | None = None) -> str:
+        """Saves model, optimizer, QB biases (model buffers), step, version, RNG states and `client_state` (e.g.
+        {"store_position": store.position}) under `<run_dir>/checkpoints/step{N}`; returns that directory."""
+        root = os.path.join(self.config.run_dir, CHECKPOINT_DIR)
+        tag = f"step{self.global_step}"
+        state = dict(client_state or {}, global_step=self.global_step, version=self.version)
+        self.engine.save_checkpoint(root, tag=tag, client_state={"agentrl": state})
+        torch.save(_rng_state(), os.path.join(root, tag, f"rng_rank{self.rank}.pt"))
+        dist.barrier()
+        return os.path.join(root, tag)
+
+    def load_checkpoint(self, path: str | None = None) -> dict:
+        """Restores a checkpoint (default: the latest under `<run_dir>/checkpoints`); returns its client state."""
+        if path is None:
+            root, tag = os.path.join(self.config.run_dir, CHECKPOINT_DIR), None
+        else:
+            root, tag = os.path.split(os.path.normpath(path))
+        loaded, client = self.engine.load_checkpoint(root, tag=tag)
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint at {path or root}")
+        state = dict(client["agentrl"])
+        self.global_step, self.version = state["global_step"], state["version"]
+        rng_file = os.path.join(root, tag or _read_latest(root), f"rng_rank{self.rank}.pt")
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+        return state
+
+    def close(self) -> None:
+        """Leaves the process group (the engine is unusable afterwards)."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    def _maybe_without_routing(self, trajectories: Sequence[Trajectory]) -> Sequence[Trajectory]:
+        if self.config.routing_replay:
+            return trajectories
+        return [_without_routing(t) for t in trajectories]
+
+    @contextlib.contextmanager
+    def _routers_observe(self, observe: bool):
+        """Padding micro-batches must not feed the balancers (the routers' `training` flag gates observation)."""
+        gates = [moe.gate for moe in self.policy.moe_layers]
+        was = [gate.training for gate in gates]
+        if not observe:
+            for gate in gates:
+                gate.training = False
+        try:
+            yield
+        finally:
+            for gate, training in zip(gates, was):
+                gate.training = training
+
+    def _sum_over_ranks(self, sums: Counter[str]) -> dict[str, float]:
+        keys = sorted(sums)
+        values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+        zero.all_reduce_sum(values)
+        return dict(zip(keys, values.tolist()))
+
+
+def _loss_metrics(totals: dict[str, float], config: LossConfig) -> dict[str, float]:
+    tokens = max(totals.get("tokens", 0.0), 1.0)
+    metrics = {"loss": totals["loss"], "pg_loss": totals["pg_loss"], "trained_tokens": totals.get("tokens", 0.0)}
+    per_token = {"entropy": "entropy", "kl": "kl", "nll": "nll", "ratio_mean": "ratio",
+                 "tis_truncated_frac": "tis_truncated", "icepop_masked_frac": "icepop_masked",
+                 "train_infer_abs_logp_diff": "train_infer_abs_logp_diff", "clip_frac": "clipped"}
+    for name, key in per_token.items():
+        if key in totals:
+            metrics[name] = totals[key] / tokens
+    if config.kind == "gspo":
+        seqs = max(totals.get("sequences", 0.0), 1.0)
+        metrics["clip_frac"] = totals["clipped_seqs"] / seqs
+        metrics["seq_ratio_mean"] = totals["seq_ratio"] / seqs
+    return metrics
+
+
+def _build_model(model, seed: int) -> HybridMoEForCausalLM:
+    if isinstance(model, HybridMoEForCausalLM):
+        return model
+    if isinstance(model, HybridMoEConfig):
+        torch.manual_seed(seed)
+        return HybridMoEForCausalLM(model)
+    if isinstance(model, (str, os.PathLike)):
+        return HybridMoEForCausalLM.from_pretrained(os.fspath(model))
+    raise ValueError(f"model must be a checkpoint path, a HybridMoEConfig or a HybridMoEForCausalLM, "
+                     f"got {type(model).__name__}")
+
+
+def _without_routing(t: Trajectory) -> Trajectory:
+    if t.routed_experts is None:
+        return t
+    t = copy.copy(t)
+    t.routed_experts = None
+    return t
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _read_latest(root: str) -> str:
+    with open(os.path.join(root, "latest")) as f:
+        return f.read().strip()

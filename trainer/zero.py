@@ -1,0 +1,150 @@
+"""DeepSpeed plumbing: the process group, the engine config, ZeRO-3 module hooks, and gathering full weights.
+
+The only module of agentrl that imports DeepSpeed (the trainer imports it from here). On a machine without CUDA it
+selects DeepSpeed's CPU accelerator, gloo, and skips the shared-memory comm op whose first build takes ~80 s.
+
+ZeRO-3 gathers a module's own parameters when that module's forward runs. Three kinds of access escape that rule in
+the hybrid model and are registered here:
+- the MoE block (`SparseMoE`) indexes expert weights by routing, which differs between ranks: as a *leaf* module its
+  parameters are gathered as one unit, so every rank issues the same collectives (without this, ranks that route
+  differently deadlock);
+- KDA reads its short-convolution and output-norm weights directly (`self.q_conv1d.weight`): a leaf module too;
+- Block AttnRes mixes read the norm and query weights in the decoder's forward, and the chunked log-prob head reads
+  `lm_head.weight` in the wrapper's forward: *external parameters* of the module whose forward reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
+from deepspeed.utils import set_z3_leaf_modules  # noqa: E402
+
+from agentrl.model.kda import KimiDeltaAttention  # noqa: E402
+from agentrl.model.moe import SparseMoE  # noqa: E402
+
+Z3_LEAF_MODULES = (SparseMoE, KimiDeltaAttention)
+
+
+def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int,
+                       timeout_s: float) -> str:
+    """Sets the rendezvous variables DeepSpeed reads and joins the group; returns the backend."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        torch.cuda.set_device(local_rank)
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise ValueError(f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already exists; "
+                             f"cannot join as rank {rank} of {world_size}")
+        return dist.get_backend()
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def engine_config(*, zero_stage: int, bf16: bool, grad_clip: float, zero3_param_persistence_threshold: int) -> dict:
+    """The DeepSpeed config: one backward per micro-batch, the caller owns the step (unmanaged accumulation)."""
+    zero: dict = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=zero3_param_persistence_threshold,
+                    # DeepSpeed would otherwise replace torch.nn.functional.linear process-wide
+                    memory_efficient_linear=False)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,  # micro-batches per step vary with the token budget
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+def prepare_zero3(wrapper: nn.Module, policy: nn.Module) -> None:
+    """Registers the hybrid model's leaf modules and external parameters (see the module docstring)."""
+    set_z3_leaf_modules(wrapper, list(Z3_LEAF_MODULES))
+    deepspeed.zero.register_external_parameter(wrapper, policy.lm_head.weight)
+    for name, param in policy.model.named_parameters():
+        if "_res_norm." in name or "_res_proj." in name:
+            deepspeed.zero.register_external_parameter(policy.model, param)
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict, lr_scheduler=None):
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           lr_scheduler=lr_scheduler)
+    return engine
+
+
+def _param_groups(module: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """Parameters grouped by decoder layer (embeddings, each layer, the rest) to bound what one gather holds."""
+    groups: OrderedDict[str, list] = OrderedDict()
+    for name, param in module.named_parameters():
+        parts = name.split(".")
+        key = ".".join(parts[:parts.index("layers") + 2]) if "layers" in parts else parts[0]
+        groups.setdefault(key, []).append((name, param))
+    return list(groups.values())
+
+
+def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
+    """The module's full state dict on CPU on rank 0 (None elsewhere). Collective under ZeRO-3: every rank calls.
+
+    ZeRO-3 parameters are gathered one decoder layer at a time; buffers are replicated and read locally.
+    """
+    keys = list(module.state_dict(keep_vars=True).keys())
+    if zero_stage < 3:
+        if rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    params: dict[str, torch.Tensor] = {}
+    for group in _param_groups(module):
+        with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+            if rank == 0:
+                for name, p in group:
+                    params[name] = p.detach().cpu().clone()
+    if rank != 0:
+        return None
+    buffers = dict(module.named_buffers())
+    return {k: params[k] if k in params else buffers[k].detach().cpu().clone() for k in keys}
+
+
+def replica_digest(module: nn.Module, *, zero_stage: int) -> str:
+    """sha256 of this rank's view of every parameter (gathered under ZeRO-3) and buffer. Collective under ZeRO-3."""
+    digest = hashlib.sha256()
+    for group in _param_groups(module):
+        context = (deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None)
+                   if zero_stage == 3 else contextlib.nullcontext())
+        with context:
+            for name, p in group:
+                digest.update(name.encode())
+                digest.update(p.detach().float().cpu().numpy().tobytes())
+    for name, b in module.named_buffers():
+        digest.update(name.encode())
+        digest.update(b.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sums a tensor over the ranks in place (moved to the backend's device when needed)."""
+    if dist.get_backend() == "nccl" and not tensor.is_cuda:
+        moved = tensor.cuda()
+        dist.all_reduce(moved)
+        tensor.copy_(moved.cpu())
+    else:
+        dist.all_reduce(tensor)
+    return tensor
