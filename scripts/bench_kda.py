@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     H, D = args.heads, args.dim
+    load = os.getloadavg()[0]
+    if args.threads > 1 and load + args.threads > (os.cpu_count() or 1) + 0.5:
+        print(f"WARNING: load average {load:.1f} + {args.threads} threads exceeds {os.cpu_count()} cores: with more "
+              "than one thread, the naive loop's many small BLAS calls stall on descheduled threads and the speedups "
+              "below are inflated; use --threads 1 on a shared machine\n")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B=1, H={H}, K=V={D}, fp32, "
           f"g = -5*sigmoid(x); load average at start {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
 
