@@ -253,31 +253,29 @@ class _TileLayout:
         N = len(bounds)
         lengths = [e - s for s, e in bounds]
         num_tiles = [-(-L // C) for L in lengths]
-        self.order = sorted(range(N), key=lambda n: -num_tiles[n])  # rank -> sequence (stable)
+        order = sorted(range(N), key=lambda n: -num_tiles[n])  # rank -> sequence (stable)
         rank_of = [0] * N
-        for r, n in enumerate(self.order):
+        for r, n in enumerate(order):
             rank_of[n] = r
         self.rank_of_N = torch.tensor(rank_of, dtype=torch.long, device=device)
-        self.order_N = torch.tensor(self.order, dtype=torch.long, device=device)
-        nt_sorted = torch.tensor([num_tiles[n] for n in self.order], dtype=torch.long)
+        self.order_N = torch.tensor(order, dtype=torch.long, device=device)
+        nt_sorted = torch.tensor([num_tiles[n] for n in order], dtype=torch.long)
         max_tiles = int(nt_sorted[0]) if N else 0
         active = torch.arange(max_tiles)[:, None] < nt_sorted[None, :]  # [steps, ranks]
         self.step_counts = active.sum(1).tolist()
         j_J, r_J = active.nonzero(as_tuple=True)  # row-major, so step-major slots
-        seq_J = torch.tensor(self.order, dtype=torch.long)[r_J]
+        seq_J = torch.tensor(order, dtype=torch.long)[r_J]
         start_J = torch.tensor([s for s, _ in bounds], dtype=torch.long)[seq_J]
         len_J = torch.tensor(lengths, dtype=torch.long)[seq_J]
         pos_JC = j_J[:, None] * C + torch.arange(C)[None, :]
         valid_JC = pos_JC < len_J[:, None]
         row_JC = torch.where(valid_JC, start_J[:, None] + pos_JC, 0)
         J = row_JC.shape[0]
-        self.shape = (J, H, C)
         h_H = torch.arange(H)
         # flat index into [R·H] (token row, head) for every tile slot, and back
         src_JHC = row_JC[:, None, :] * H + h_H[None, :, None]
         self.src_JHC = src_JHC.to(device)
         self.pad_J1C = (~valid_JC)[:, None, :].to(device) if not bool(valid_JC.all()) else None
-        self.num_slots = J
         slot_JHC = torch.arange(J * H * C).view(J, H, C)
         dst_RH = torch.empty(num_rows * H, dtype=torch.long)
         valid_JHC = valid_JC[:, None, :].expand(J, H, C)
