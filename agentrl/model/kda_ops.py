@@ -33,8 +33,8 @@ Where this departs from fla (fla-org/flash-linear-attention, fla-core 0.6.0):
 
 Tensor names carry their shape as a suffix:
     B batch, T tokens per batch row, H heads, K key/query head dim, V value head dim, N sequences,
-    R flattened token rows (B·T), J tiles over all sequences, C tokens per tile, D = 2C rows (a tile's rows twice: u over o),
-    x a batch of (tile, head) pairs inside the sequential pass.
+    R flattened token rows (B·T), J tiles over all sequences, C tokens per tile,
+    D = 2C rows (a tile's rows twice: u over o), x a batch of (tile, head) pairs inside the sequential pass.
 """
 
 from __future__ import annotations
