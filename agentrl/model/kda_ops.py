@@ -313,7 +313,9 @@ class _TileLayout:
 _TileFactors = tuple[Tensor, Tensor, Tensor, Tensor, float, Tensor, Tensor]
 
 
-def _tile_factors_bounded(q_JHCK: Tensor, k_JHCK: Tensor, g_JHCK: Tensor, beta_JHC: Tensor, scale: float) -> _TileFactors:
+def _tile_factors_bounded(
+    q_JHCK: Tensor, k_JHCK: Tensor, g_JHCK: Tensor, beta_JHC: Tensor, scale: float
+) -> _TileFactors:
     """The S₀-independent tile factors as dense matmuls; needs every tile's γ ∈ [−80, 0].
 
     Returns A `[J, H, C, C]` (strictly lower, β folded in), M `[J, H, C, C]` (lower incl. diagonal, scale folded in),
