@@ -20,7 +20,8 @@ whose KV is valid under the current weights (weight updates reset the prefix cac
 routing of those very tokens. A model without MLA layers has no token-indexed blocks; there, requests that hit the
 prefix cache report missing rows as an error rather than guessing.
 
-Records of finished requests are kept until taken, up to `max_finished` of them (oldest dropped first).
+Memory: the slot store holds S·L·k int16 (a KV capacity of 1M tokens with 60 MoE layers of top-16: 1.9 GB of host
+memory); records of finished requests are kept until taken, up to `max_finished_bytes` in all (oldest dropped first).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class _Record:
     end: int = 0  # positions [0, end) are recorded
     gap: bool = False  # a prefix-cache hit could not be filled
 
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
     def truncate(self, position: int) -> None:
         """Drops rows at and after `position` (a recomputation after preemption rewrites them)."""
         rows = np.concatenate(self.chunks)[:position] if self.chunks else None
@@ -51,14 +56,15 @@ class _Record:
 class RoutingRecorder:
     """Per-request routing of one vLLM V1 model runner whose model exposes `last_step` (see vllm_model.py)."""
 
-    def __init__(self, runner, *, max_finished: int = 4096):
+    def __init__(self, runner, *, max_finished_bytes: int = 1 << 30):
         model = runner.get_model()
         self.runner = runner
         self.model = model
         self.shape = (model.num_moe_layers, model.top_k)
-        self.max_finished = max_finished
+        self.max_finished_bytes = max_finished_bytes
         self.records: dict[str, _Record] = {}
-        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.finished: OrderedDict[str, int] = OrderedDict()  # finished request id -> its record's bytes
+        self.finished_bytes = 0
         self._last_index = model.last_step.index if model.last_step is not None else 0
         self.group, block_size, num_slots = self._attention_group(runner)
         self.block_size = block_size
@@ -79,10 +85,12 @@ class RoutingRecorder:
     # --- called around the runner's execute_model --------------------------------------------------------------
     def before_step(self, scheduler_output) -> None:
         for request_id in scheduler_output.finished_req_ids:
-            if request_id in self.records:
-                self.finished[request_id] = None
-        while len(self.finished) > self.max_finished:
-            dropped, _ = self.finished.popitem(last=False)
+            if request_id in self.records and request_id not in self.finished:
+                self.finished[request_id] = self.records[request_id].nbytes
+                self.finished_bytes += self.finished[request_id]
+        while self.finished_bytes > self.max_finished_bytes:
+            dropped, nbytes = self.finished.popitem(last=False)
+            self.finished_bytes -= nbytes
             self.records.pop(dropped, None)
 
     def after_step(self, scheduler_output) -> None:
@@ -138,9 +146,9 @@ class RoutingRecorder:
             internal = by_external.get(request_id)
             if internal is None:
                 raise RoutingUnavailable(f"no routing recorded for request {request_id!r} (never run, already taken, "
-                                         f"or dropped after {self.max_finished} newer finished requests)")
+                                         f"or dropped: untaken records are capped at {self.max_finished_bytes} bytes)")
             record = self.records.pop(internal)
-            self.finished.pop(internal, None)
+            self.finished_bytes -= self.finished.pop(internal, 0)
             if record.gap:
                 raise RoutingUnavailable(f"request {request_id!r} hit the prefix cache in a model without MLA layers; "
                                          "its cached tokens' routing is unknown")
