@@ -206,7 +206,8 @@ class TrajectoryStore:
             if not trainable:
                 self._drop(group_id, "untrainable", current_version)
                 continue
-            lag = current_version - min(min(v for v in t.versions if v >= 0) for t in trainable)
+            lag = current_version - min(min((v for v in t.versions if v >= 0), default=current_version)
+                                        for t in trainable)
             if lag > max_staleness:
                 self._drop(group_id, "stale", current_version, lag=lag)
                 continue

@@ -196,7 +196,9 @@ def gspo_loss(logp_T: torch.Tensor, old_T: torch.Tensor, infer_T: torch.Tensor, 
         return torch.zeros(num_seqs, dtype=x_T.dtype, device=x_T.device).index_add_(0, seq_T, x_T * kept) / denom_N
 
     s = torch.exp(seq_mean(logp_T - old_T))
-    adv_N = torch.zeros(num_seqs, dtype=adv_T.dtype, device=adv_T.device).index_copy_(0, seq_T, adv_T)
+    # every token of a sequence carries the sequence's advantage: take it exactly (amax of equal values)
+    adv_N = torch.zeros(num_seqs, dtype=adv_T.dtype, device=adv_T.device).scatter_reduce_(
+        0, seq_T, adv_T, reduce="amax", include_self=False)
     weight_N = torch.zeros(num_seqs, dtype=weights_T.dtype, device=weights_T.device).index_add_(0, seq_T, weights_T)
     if tis_cap is not None:
         tis_N = torch.clamp(torch.exp(seq_mean(logp_T.detach() - infer_T)), max=tis_cap)

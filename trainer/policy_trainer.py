@@ -111,10 +111,12 @@ class PolicyTrainer:
         self.version = 0  # policy version: optimizer steps taken since the initial weights
 
     # --- training -------------------------------------------------------------------------------------------------
-    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """One optimizer step on a batch (the same list on every rank); returns metrics summed over the ranks."""
+    def step(self, trajectories: Sequence[Trajectory], loss: LossConfig | None = None) -> dict[str, float]:
+        """One optimizer step on a batch (the same list on every rank); returns metrics summed over the ranks.
+
+        `loss` overrides the configured objective for this step (e.g. SFT warm-start steps before RL)."""
         start = time.perf_counter()
-        loss_cfg = self.config.loss
+        loss_cfg = loss or self.config.loss
         if loss_cfg.kind == "sft":
             advantages: list[float | None] = [0.0] * len(trajectories)
         else:
@@ -192,11 +194,16 @@ class PolicyTrainer:
         start = time.perf_counter()
         state = self.full_state_dict()
         gather_s = time.perf_counter() - start
-        record = [None]
+        record: list = [None]
         if self.rank == 0:
-            record[0] = write_weights(state, self.policy.config, self.config.run_dir, self.version,
-                                      keep_last=self.config.keep_weight_versions, gather_s=gather_s)
+            try:
+                record[0] = write_weights(state, self.policy.config, self.config.run_dir, self.version,
+                                          keep_last=self.config.keep_weight_versions, gather_s=gather_s)
+            except Exception as e:  # the other ranks wait in the broadcast: tell them, then fail everywhere
+                record[0] = e
         dist.broadcast_object_list(record, src=0)
+        if isinstance(record[0], Exception):
+            raise RuntimeError(f"rank 0 failed to publish weights v{self.version}") from record[0]
         return record[0]
 
     def save_checkpoint(self, client_state: dict | None = None) -> str:
@@ -205,8 +212,10 @@ class PolicyTrainer:
         root = os.path.join(self.config.run_dir, CHECKPOINT_DIR)
         tag = f"step{self.global_step}"
         state = dict(client_state or {}, global_step=self.global_step, version=self.version)
-        self.engine.save_checkpoint(root, tag=tag, client_state={"agentrl": state})
+        # RNG first: DeepSpeed writes `latest` at the end of its save, so a crash never leaves a latest without it
+        os.makedirs(os.path.join(root, tag), exist_ok=True)
         torch.save(_rng_state(), os.path.join(root, tag, f"rng_rank{self.rank}.pt"))
+        self.engine.save_checkpoint(root, tag=tag, client_state={"agentrl": state})
         dist.barrier()
         return os.path.join(root, tag)
 

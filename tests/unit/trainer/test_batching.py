@@ -124,3 +124,23 @@ def test_routing_replay_packs_experts_in_token_order_and_forces_them():
             lo, hi = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
             torch.testing.assert_close(logp[lo:hi], out.token_logprobs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(logp, free)  # the forced (random) routing is not the model's own
+
+
+def test_kl_term_uses_the_frozen_reference_forward():
+    import copy
+
+    model = tiny_model()
+    reference = PackedPolicy(copy.deepcopy(model).eval().requires_grad_(False))
+    trajs = [make_traj(i, 30, group="g", reward=float(i)) for i in range(4)]
+    plan = plan_step(trajs, grpo_advantages(trajs, normalize_std=False), world_size=1, token_budget=1000,
+                     aggregation="token-mean")
+    config = LossConfig(kl_coef=0.5)
+    same = micro_batch_loss(PackedPolicy(model), plan.per_rank[0][0], config, reference=reference)
+    assert same.sums["kl"] == pytest.approx(0.0, abs=1e-9)  # π_θ = π_ref: k3 is exactly zero
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    moved = micro_batch_loss(PackedPolicy(model), plan.per_rank[0][0], config, reference=reference)
+    without = micro_batch_loss(PackedPolicy(model), plan.per_rank[0][0], LossConfig(kl_coef=0.0), reference=reference)
+    kl_mean = moved.sums["kl"] / moved.sums["tokens"]
+    assert kl_mean > 0.01
+    assert moved.loss.item() - without.loss.item() == pytest.approx(0.5 * kl_mean, rel=1e-4)
