@@ -15,6 +15,7 @@ constructor. With GPUs, Ray gives each actor one device (CUDA_VISIBLE_DEVICES), 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,10 @@ PolicyTrainerActor = None  # ray.remote(PolicyTrainer), made on first use so tha
 
 @ray.remote(num_cpus=0)
 def _rendezvous_address() -> tuple[str, int]:
-    from agentrl.trainer.policy_trainer import free_port
-
-    return ray.util.get_node_ip_address(), free_port()
+    """Rank 0's node address and a port free there (imports nothing heavy: it runs before the ranks start)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
 @dataclass(kw_only=True)

@@ -10,7 +10,8 @@ the gradient is that of the whole batch's loss, however it was split.
 `step(trajectories)` → metrics; `publish_weights()` → PublishedWeights (`<run_dir>/weights/v{N}`);
 `save_checkpoint()` / `load_checkpoint()` (model, optimizer, QB biases, step, version, RNG and whatever the caller
 adds, e.g. the store's position); `logprobs(trajectories)` for evaluation. SFT is the same step with
-`LossConfig(kind="sft")`. All of them are collective: every rank calls them, in the same order.
+`LossConfig(kind="sft")`, configured or passed to `step`. All of them are collective: every rank calls them, in the
+same order.
 
 The Ray actor is `ray.remote(PolicyTrainer)` (trainer/actor.py places the ranks); the class works without Ray, e.g.
 with world_size=1 or under torchrun-style launchers.
@@ -114,9 +115,15 @@ class PolicyTrainer:
     def step(self, trajectories: Sequence[Trajectory], loss: LossConfig | None = None) -> dict[str, float]:
         """One optimizer step on a batch (the same list on every rank); returns metrics summed over the ranks.
 
-        `loss` overrides the configured objective for this step (e.g. SFT warm-start steps before RL)."""
+        `loss` overrides the configured objective for this step, e.g. LossConfig(kind="sft") for a warm start
+        before RL with the same trainer (a KL term needs the configured loss to have kl_coef > 0: that is what
+        builds the reference model).
+        """
         start = time.perf_counter()
-        loss_cfg = loss or self.config.loss
+        loss_cfg = self.config.loss if loss is None else loss
+        if loss_cfg.kl_coef > 0 and self.reference is None:
+            raise ValueError(f"this step asks for kl_coef={loss_cfg.kl_coef} but the trainer holds no reference "
+                             f"model: set TrainerConfig.loss.kl_coef > 0 when constructing it")
         if loss_cfg.kind == "sft":
             advantages: list[float | None] = [0.0] * len(trajectories)
         else:

@@ -20,14 +20,17 @@ def oracle(i: int, rng: np.random.Generator) -> Trajectory:
 
 def test_sft_warm_start_lowers_the_nll_of_the_masked_tokens_only(model_dir, tmp_path):  # noqa: F811
     cfg = TrainerConfig(run_dir=str(tmp_path), zero_stage=2, lr=3e-3, micro_batch_tokens=128, num_threads=1,
-                        gradient_checkpointing=False, loss=LossConfig(kind="sft"))
+                        gradient_checkpointing=False)  # an RL trainer: the warm start passes the SFT loss per step
     trainer = PolicyTrainer(cfg, model_dir)
+    sft = LossConfig(kind="sft")
     try:
         batch = [oracle(i, np.random.default_rng(i)) for i in range(16)]
-        first = trainer.step(batch)
+        with pytest.raises(ValueError, match="reference"):
+            trainer.step(batch, LossConfig(kind="sft", kl_coef=0.1))
+        first = trainer.step(batch, sft)
         assert first["trained_tokens"] == 16 * 6  # the answers; never the prompt or the trailing tool token
         assert first["nll"] == pytest.approx(first["loss"] * 1.0, rel=1e-5)  # token-mean NLL is the SFT loss
-        history = [first["nll"]] + [trainer.step(batch)["nll"] for _ in range(24)]
+        history = [first["nll"]] + [trainer.step(batch, sft)["nll"] for _ in range(24)]
         assert history[-1] < 0.5 * history[0], history
         assert trainer.version == 25
         published = trainer.publish_weights()
