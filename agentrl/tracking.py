@@ -1,6 +1,8 @@
 """Experiment tracking in MLflow: the resolved config, per-step metrics, readable transcripts.
 
-The only module that imports MLflow. The embedded default writes a sqlite store inside the run directory
+The only module that imports MLflow, and it uses MlflowClient alone: the fluent API keeps a process-global tracking
+URI and active run (and writes MLFLOW_TRACKING_URI into the environment), which two jobs in one process would share.
+The embedded default writes a sqlite store inside the run directory
 (`<run_dir>/mlflow.db`), so `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the reward curve of a
 local run; a tracking-server URI in the config (or MLFLOW_TRACKING_URI) sends everything to a shared server. Only the
 driver logs (trainer rank 0 reports its metrics through it), so curves never double.
@@ -14,9 +16,12 @@ from __future__ import annotations
 import html
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from mlflow.entities import Metric, Param
 
 from agentrl.types import Trajectory
 
@@ -44,38 +49,39 @@ class Tracker:
     """One MLflow run per training job."""
 
     def __init__(self, config: TrackingConfig, run_dir: str):
-        import mlflow
+        from mlflow import MlflowClient
 
-        self.mlflow = mlflow
         self.config = config
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(run_dir)
-        mlflow.set_tracking_uri(self.uri)
-        mlflow.set_experiment(config.experiment)
+        self.client = MlflowClient(self.uri)
         id_file = os.path.join(run_dir, RUN_ID_FILE)
-        previous = open(id_file).read().strip() if os.path.exists(id_file) else None
-        self.run = mlflow.start_run(run_id=previous) if previous else mlflow.start_run(run_name=config.run_name)
-        with open(id_file, "w") as f:
-            f.write(self.run.info.run_id)
-        self.client = mlflow.MlflowClient(self.uri)
-
-    @property
-    def run_id(self) -> str:
-        return self.run.info.run_id
+        if os.path.exists(id_file):  # a resumed job continues its run
+            self.run_id = open(id_file).read().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(config.experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(config.experiment))
+            self.run_id = self.client.create_run(experiment_id, run_name=config.run_name).info.run_id
+            with open(id_file, "w") as f:
+                f.write(self.run_id)
 
     def log_config(self, resolved: Mapping[str, Any], yaml_text: str) -> None:
         """The whole resolved config as flattened params, and the YAML file as an artifact."""
         params = {k: str(v)[:500] for k, v in _flatten(resolved).items()}
         existing = self.client.get_run(self.run_id).data.params
-        new = {k: v for k, v in params.items() if k not in existing}  # params are immutable: a resume skips them
+        new = [Param(k, v) for k, v in params.items() if k not in existing]  # immutable: a resume skips them
         for i in range(0, len(new), 100):
-            self.mlflow.log_params(dict(list(new.items())[i:i + 100]))
-        self.mlflow.log_text(yaml_text, "config.yaml")
+            self.client.log_batch(self.run_id, params=new[i:i + 100])
+        self.client.log_text(self.run_id, yaml_text, "config.yaml")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and _finite(v)}
-        self.mlflow.log_metrics(clean, step=step)
+        now = int(time.time() * 1000)
+        clean = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and _finite(v)]
+        for i in range(0, len(clean), 500):
+            self.client.log_batch(self.run_id, metrics=clean[i:i + 500])
 
     def log_transcripts(self, trajectories: list[Trajectory], step: int, tokenizer=None) -> None:
         """A few trajectories as an HTML page (readable in the MLflow UI) and JSON."""
@@ -85,14 +91,14 @@ class Tracker:
         if not chosen:
             return
         records = [transcript_record(t) for t in chosen]
-        self.mlflow.log_text(json.dumps(records, indent=1), f"transcripts/step_{step:06d}.json")
-        self.mlflow.log_text(transcripts_html(records, step), f"transcripts/step_{step:06d}.html")
+        self.client.log_text(self.run_id, json.dumps(records, indent=1), f"transcripts/step_{step:06d}.json")
+        self.client.log_text(self.run_id, transcripts_html(records, step), f"transcripts/step_{step:06d}.html")
 
     def metric_history(self, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.mlflow.end_run(status=status)
+        self.client.set_terminated(self.run_id, status=status)
 
 
 def transcript_record(t: Trajectory) -> dict[str, Any]:

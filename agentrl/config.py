@@ -1,0 +1,203 @@
+"""Job configuration: typed dataclasses with defaults, YAML deltas and `key=value` overrides merged by OmegaConf.
+
+    cfg = load_config("configs/quickstart.yaml", ["rollout.group_size=8", "algorithm.steps=50"])
+
+The typed defaults are the schema: a YAML file under configs/ states only what it changes. OmegaConf rejects an
+unknown key or a value of the wrong type, each dataclass's __post_init__ rejects impossible values, and both are
+reported as a ConfigError naming the key — all before any Ray actor starts. Library code receives the dataclasses
+(`JobConfig` and its sections), never a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from agentrl.store import StoreConfig
+from agentrl.tracking import TrackingConfig
+from agentrl.trainer.config import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A bad job configuration; the message names the key."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    preset: str = "tiny"  # agentrl.model.config.PRESETS
+    overrides: dict[str, Any] = field(default_factory=dict)  # HybridMoEConfig fields over the preset
+    checkpoint: str | None = None  # start from this checkpoint directory instead of a fresh preset
+    tokenizer: str | None = None  # tokenizer directory; None trains one on the environments' text
+    vocab_size: int = 1024  # of the tokenizer trained when `tokenizer` is None
+    seed: int = 0
+
+    def __post_init__(self):
+        from agentrl.model.config import PRESETS
+
+        if self.checkpoint is None and self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is not one of {sorted(PRESETS)}")
+        if self.vocab_size < 512:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is too small (>= 512)")
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    id: str = "agentrl/Calc-v0"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the env's constructor
+    num_tasks: int = 1000  # task indices in use, 0..num_tasks-1 (at most the env's task count)
+    eval_tasks: int = 64  # the last eval_tasks of them are held out for evaluation; training draws from the rest
+
+    def __post_init__(self):
+        if not 0 <= self.eval_tasks < self.num_tasks:
+            raise ValueError(f"env.eval_tasks={self.eval_tasks} must be >= 0 and below env.num_tasks={self.num_tasks}")
+
+    @property
+    def train_tasks(self) -> int:
+        return self.num_tasks - self.eval_tasks
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    dtype: str = "float32"  # fp32 is ~3x faster than bf16 on AVX2 CPUs
+    max_model_len: int = 4096
+    kv_cache_mb: int = 256
+    implementation: str = "auto"  # "agentrl" plugin, "upstream" vLLM (GPU), "auto"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout.engine.dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.implementation not in ("auto", "agentrl", "upstream"):
+            raise ValueError(f"rollout.engine.implementation={self.implementation!r} must be auto/agentrl/upstream")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutJobConfig:
+    num_workers: int = 1
+    group_size: int = 4  # samples per task (a GRPO group)
+    groups_per_step: int = 8  # tasks per training step
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens_per_turn: int = 128
+    max_trajectory_tokens: int = 2048  # the initial context limit; algorithm.context_schedule raises it
+    env_timeout_s: float = 30.0
+    max_concurrent_episodes: int = 64
+    token_budget: int | None = None  # sampled tokens per iteration; unfinished episodes become partial
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        for name in ("num_workers", "group_size", "groups_per_step", "max_tokens_per_turn", "max_trajectory_tokens",
+                     "max_concurrent_episodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.top_p <= 1 or self.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 and top_p={self.top_p} in (0, 1]")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"rollout.token_budget={self.token_budget} must be None or >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ContextStage:
+    """From `start_step` on, trajectories may grow to `max_trajectory_tokens` (e.g. 8K → 64K → 256K → 1M)."""
+
+    start_step: int
+    max_trajectory_tokens: int
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    steps: int = 20  # RL steps
+    mode: str = "sync"  # "sync": rollout then train; "async": the next rollout runs while the trainer trains
+    max_staleness: int = 1  # a batch may be sampled by a policy at most this many versions old
+    sft_steps: int = 0  # warm start: SFT steps on oracle trajectories before RL
+    sft_batch_episodes: int = 32
+    sft_lr: float | None = None  # None: the trainer's lr
+    eval_every: int = 0  # evaluate the success rate on held-out tasks every n steps (0: only at start and end)
+    checkpoint_every: int = 10
+    context_schedule: list[ContextStage] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"algorithm.mode={self.mode!r} must be 'sync' or 'async'")
+        if self.steps < 0 or self.sft_steps < 0 or self.max_staleness < 0:
+            raise ValueError("algorithm.steps, sft_steps and max_staleness must be >= 0")
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ValueError("algorithm.mode='async' trains on rollouts one version old: max_staleness must be >= 1")
+        starts = [s.start_step for s in self.context_schedule]
+        if starts != sorted(starts):
+            raise ValueError(f"algorithm.context_schedule start steps must increase, got {starts}")
+
+    def max_trajectory_tokens(self, step: int, default: int) -> int:
+        """The context limit in force at `step`."""
+        limit = default
+        for stage in self.context_schedule:
+            if step >= stage.start_step:
+                limit = stage.max_trajectory_tokens
+        return limit
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    address: str | None = None  # None: RAY_ADDRESS if set, else a local Ray instance
+    num_cpus: int | None = None  # for the local instance (None: all)
+    rollout_cpus: float = 1.0  # per rollout worker
+    rollout_gpus: float = 0.0
+    trainer_ranks: int = 1  # DeepSpeed data-parallel ranks
+    trainer_cpus: float = 1.0  # per trainer rank
+    trainer_gpus: float = 0.0
+    placement: str = "colocated"  # "colocated": rollout and trainer share nodes/GPUs; "separate": disjoint bundles
+
+    def __post_init__(self):
+        if self.trainer_ranks < 1:
+            raise ValueError(f"cluster.trainer_ranks={self.trainer_ranks} must be >= 1")
+        if self.placement not in ("colocated", "separate"):
+            raise ValueError(f"cluster.placement={self.placement!r} must be 'colocated' or 'separate'")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    name: str = "agentrl"
+    run_dir: str = "runs/agentrl"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutJobConfig = field(default_factory=RolloutJobConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    # load_config ties trainer.run_dir to run_dir and trainer.temperature to rollout.temperature
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(run_dir="runs/agentrl"))
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(run_dir=self.run_dir, group_size=self.rollout.group_size)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[JobConfig, DictConfig]:
+    """The typed job config and its resolved DictConfig (for logging), or a ConfigError naming the bad key."""
+    try:
+        merged = OmegaConf.structured(JobConfig)
+        merged.trainer.run_dir = "${run_dir}"
+        merged.trainer.temperature = "${rollout.temperature}"
+        if path is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        job = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"config key {key!r}: {_first_line(exc)}") from None
+    except (ValueError, TypeError) as exc:  # a dataclass __post_init__ rejected a value (its message names it)
+        raise ConfigError(str(exc)) from None
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {exc.filename}") from None
+    return job, merged
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0]

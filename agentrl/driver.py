@@ -1,0 +1,279 @@
+"""The RL job: one loop, every remote call visible — rollout → store → train → publish weights → log.
+
+    run_job(job, resolved)           # agentrl train CONFIG
+
+Synchronous mode rolls out with the current policy, then trains on it. Asynchronous mode submits the next step's
+rollout before training on the current one: the rollout workers keep sampling while the trainer trains, take the new
+weights in flight when they are published (tokens record the version that sampled them), and the store refuses
+groups older than `max_staleness` versions. A context schedule raises the trajectory length limit by step.
+
+Everything is resumable: the trainer checkpoint carries the step, the policy version and the store's position; the
+store replays its Parquet log to that position; the MLflow run is reopened and its curves continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import replace
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentrl.config import JobConfig
+from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
+from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
+from agentrl.tracking import Tracker
+from agentrl.trainer.losses import LossConfig
+from agentrl.types import Status, Trajectory
+
+log = logging.getLogger("agentrl")
+
+
+def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) the job in `job.run_dir`; returns the final metrics."""
+    import ray
+
+    from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
+    from agentrl.store import TrajectoryStoreActor
+    from agentrl.trainer.actor import create_trainer_group
+
+    connect(job)
+    tracker = Tracker(job.tracking, job.run_dir)
+    if resolved is not None:
+        tracker.log_config(OmegaConf.to_container(resolved, resolve=True), OmegaConf.to_yaml(resolved))
+    policy_dir, resume = prepare_policy(job)
+    t0 = time.perf_counter()
+    trainer = create_trainer_group(job.trainer, policy_dir, num_ranks=job.cluster.trainer_ranks,
+                                   num_cpus_per_rank=job.cluster.trainer_cpus,
+                                   num_gpus_per_rank=job.cluster.trainer_gpus)
+    state = on_all(trainer, "load_checkpoint") if resume else {"global_step": 0, "store_position": 0}
+    store = TrajectoryStoreActor.remote(job.store_config(), resume=resume, position=state.get("store_position"))
+    weights = on_all(trainer, "publish_weights")
+    pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus, num_gpus=job.cluster.rollout_gpus),
+                       job.rollout.num_workers, (engine_spec(job, weights.path), policy_dir, rollout_config(job)),
+                       {"version": weights.version})
+    sampler = TaskSampler(job)
+    step = state.get("rl_step", 0)
+    tracker.log_metrics({"phase/setup_s": time.perf_counter() - t0}, step=step)
+    log.info("job ready in %.0fs: policy version %d, rl step %d", time.perf_counter() - t0, weights.version, step)
+
+    if not resume and job.algorithm.sft_steps:
+        weights = warm_start(job, trainer, tracker)
+        pool.update_weights(weights.path, weights.version)
+    if not rl:
+        return finish(tracker, trainer, pool, {})
+
+    tracker.log_metrics(evaluate(pool, job, sampler), step=step)
+    in_flight = pool.submit(sampler.requests(step), ray.get(store.take_partials.remote()), job.rollout.token_budget)
+    metrics: dict[str, float] = {}
+    while step < job.algorithm.steps:
+        t_step = time.perf_counter()
+        limit = job.algorithm.max_trajectory_tokens(step, job.rollout.max_trajectory_tokens)
+        trajectories = pool.collect(in_flight)                                            # rollout
+        rollout_s = time.perf_counter() - t_step
+        ray.get(store.put.remote([t for t in trajectories if t.status != Status.PARTIAL]))  # store
+        ray.get(store.put_partial.remote([t for t in trajectories if t.status == Status.PARTIAL]))
+        batch = ray.get(store.take_batch.remote(job.rollout.groups_per_step, weights.version,
+                                                job.algorithm.max_staleness))
+        if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
+            pool.set_max_trajectory_tokens(job.algorithm.max_trajectory_tokens(step + 1, limit))
+            in_flight = pool.submit(sampler.requests(step + 1), ray.get(store.take_partials.remote()),
+                                    job.rollout.token_budget)
+        t_train = time.perf_counter()
+        train = on_all(trainer, "step", batch.trajectories) if batch else {}                # train
+        train_s = time.perf_counter() - t_train
+        if batch:
+            weights = on_all(trainer, "publish_weights")                                    # publish
+            t_sync = time.perf_counter()
+            pool.update_weights(weights.path, weights.version)                              # sync
+            sync_s = time.perf_counter() - t_sync
+        else:
+            sync_s = 0.0
+        step += 1
+        if job.algorithm.mode == "sync" and step < job.algorithm.steps:
+            pool.set_max_trajectory_tokens(job.algorithm.max_trajectory_tokens(step, limit))
+            in_flight = pool.submit(sampler.requests(step), ray.get(store.take_partials.remote()),
+                                    job.rollout.token_budget)
+        metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
+                   **{f"store/{k}": v for k, v in ray.get(store.stats.remote()).items()},
+                   "policy_version": weights.version, "context/max_trajectory_tokens": limit,
+                   "time/rollout_s": rollout_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                   "time/step_s": time.perf_counter() - t_step,
+                   "weights/publish_s": weights.gather_s + weights.write_s}
+        if job.algorithm.eval_every and step % job.algorithm.eval_every == 0 or step == job.algorithm.steps:
+            metrics.update(evaluate(pool, job, sampler))
+        tracker.log_metrics(metrics, step=step)                                             # log
+        tracker.log_transcripts(trajectories, step)
+        if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps:
+            position = ray.get(store.stats.remote())["position"]
+            on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step})
+        log.info("step %d: reward %.3f success %.3f (%.0fs)", step, metrics.get("rollout/reward_mean", 0.0),
+                 metrics.get("rollout/success_rate", 0.0), metrics["time/step_s"])
+    return finish(tracker, trainer, pool, metrics)
+
+
+# --- the pieces the loop calls ---------------------------------------------------------------------------------------
+def connect(job: JobConfig) -> None:
+    """ray.init: the configured address, else RAY_ADDRESS, else a local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = job.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def on_all(group, method: str, *args):
+    """Calls `method` on every trainer rank (they take part in the same collectives); returns rank 0's answer."""
+    import ray
+
+    if args and isinstance(args[0], list):
+        args = (ray.put(args[0]), *args[1:])  # one copy in the object store for all ranks
+    return ray.get([getattr(rank, method).remote(*args) for rank in group.ranks])[0]
+
+
+def prepare_policy(job: JobConfig) -> tuple[str, bool]:
+    """(the initial checkpoint directory, whether the run resumes). Builds a fresh preset model when needed."""
+    from agentrl.init_model import init_model
+
+    resume = os.path.isdir(os.path.join(job.run_dir, "checkpoints"))
+    if job.model.checkpoint:
+        return job.model.checkpoint, resume
+    initial = os.path.join(job.run_dir, "initial")
+    if not os.path.exists(os.path.join(initial, "config.json")):
+        init_model(initial, preset=job.model.preset, overrides=dict(job.model.overrides),
+                   tokenizer_dir=job.model.tokenizer, vocab_size=job.model.vocab_size, env_ids=(job.env.id,),
+                   seed=job.model.seed)
+    return initial, resume
+
+
+def engine_spec(job: JobConfig, weights_path: str) -> EngineSpec:
+    e = job.rollout.engine
+    return EngineSpec(model=weights_path, dtype=e.dtype, max_model_len=e.max_model_len,
+                      kv_cache_memory_bytes=e.kv_cache_mb << 20, seed=job.seed, implementation=e.implementation,
+                      return_routed_experts=job.trainer.routing_replay)
+
+
+def rollout_config(job: JobConfig) -> RolloutConfig:
+    r = job.rollout
+    return RolloutConfig(group_size=r.group_size, max_trajectory_tokens=r.max_trajectory_tokens,
+                         env_timeout_s=r.env_timeout_s, max_concurrent_episodes=r.max_concurrent_episodes,
+                         sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
+                                               max_tokens=r.max_tokens_per_turn))
+
+
+class TaskSampler:
+    """Which tasks each step trains on (seeded: a resumed run draws the same ones) and the held-out eval tasks."""
+
+    def __init__(self, job: JobConfig):
+        self.job = job
+
+    def requests(self, step: int) -> list[EpisodeRequest]:
+        job = self.job
+        rng = random.Random(f"{job.seed}-{step}")
+        out = []
+        for g in range(job.rollout.groups_per_step):
+            task = rng.randrange(job.env.train_tasks)
+            group_id = f"s{step}-g{g}-t{task}"
+            out += [EpisodeRequest(env_id=job.env.id, task_index=task, group_id=group_id,
+                                   trajectory_id=f"{group_id}-{i}", seed=rng.randrange(1 << 30),
+                                   env_kwargs=dict(job.env.kwargs)) for i in range(job.rollout.group_size)]
+        return out
+
+    def eval_requests(self, limit: int | None = None) -> list[EpisodeRequest]:
+        job = self.job
+        count = job.env.eval_tasks if limit is None else min(limit, job.env.eval_tasks)
+        return [EpisodeRequest(env_id=job.env.id, task_index=job.env.train_tasks + i, group_id=f"eval-{i}",
+                               trajectory_id=f"eval-{time.time_ns()}-{i}", seed=i, env_kwargs=dict(job.env.kwargs))
+                for i in range(count)]
+
+
+def rollout_metrics(trajectories: list[Trajectory], prefix: str = "rollout") -> dict[str, float]:
+    done = [t for t in trajectories if t.status in (Status.COMPLETED, Status.TRUNCATED)]
+    n = max(len(trajectories), 1)
+    out: dict[str, float] = {
+        f"{prefix}/episodes": len(trajectories),
+        f"{prefix}/failed_fraction": sum(t.status == Status.FAILED for t in trajectories) / n,
+        f"{prefix}/partial_fraction": sum(t.status == Status.PARTIAL for t in trajectories) / n,
+    }
+    if done:
+        rewards = [t.reward for t in done]
+        mean = sum(rewards) / len(rewards)
+        out.update({
+            f"{prefix}/reward_mean": mean,
+            f"{prefix}/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            f"{prefix}/success_rate": sum(r >= 1.0 for r in rewards) / len(done),
+            f"{prefix}/tokens_mean": sum(len(t.tokens) for t in done) / len(done),
+            f"{prefix}/turns_mean": sum(sum(x.role == "assistant" for x in t.turns) for t in done) / len(done),
+            f"{prefix}/tool_calls_mean": sum(len(t.tool_calls) for t in done) / len(done),
+            f"{prefix}/tool_error_rate": sum(t.num_tool_errors for t in done) / max(1, sum(
+                sum(x.role == "assistant" for x in t.turns) for t in done)),
+        })
+        components: dict[str, list[float]] = {}
+        for t in done:
+            for k, v in t.reward_components.items():
+                components.setdefault(k, []).append(v)
+        out.update({f"{prefix}/reward/{k}": sum(v) / len(v) for k, v in components.items()})
+        sampled = sum(t.num_sampled for t in trajectories)
+        generate_s = max((t.timings.get("generate_s", 0.0) for t in trajectories), default=0.0)
+        out[f"{prefix}/sampled_tokens"] = sampled
+        if generate_s:
+            out[f"{prefix}/sampled_tokens_per_s"] = sampled / generate_s
+    return out
+
+
+def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
+    """Greedy success rate on the held-out tasks."""
+    if not job.env.eval_tasks:
+        return {}
+    trajectories = pool.generate(sampler.eval_requests(), temperature=0.0)
+    return rollout_metrics(trajectories, prefix="eval")
+
+
+def warm_start(job: JobConfig, trainer, tracker: Tracker):
+    """SFT on oracle trajectories of the training tasks; returns the published weights."""
+    from transformers import AutoTokenizer
+
+    from agentrl.envs import make
+    from agentrl.rollout.oracle import oracle_trajectory
+
+    policy_dir, _ = prepare_policy(job)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    env = make(job.env.id, **job.env.kwargs)
+    rng = random.Random(job.seed)
+    sft = LossConfig(kind="sft")
+    for step in range(job.algorithm.sft_steps):
+        tasks = [rng.randrange(job.env.train_tasks) for _ in range(job.algorithm.sft_batch_episodes)]
+        batch = [oracle_trajectory(env, tokenizer, env_id=job.env.id, task_index=i, seed=i,
+                                   group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
+        metrics = on_all(trainer, "step", batch, sft)
+        tracker.log_metrics({f"sft/{k}": v for k, v in metrics.items()}, step=step)
+    return on_all(trainer, "publish_weights")
+
+
+def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None = None) -> dict[str, float]:
+    """`agentrl eval`: one rollout worker on `checkpoint`, greedy, over the held-out tasks."""
+    from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
+
+    connect(job)
+    pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus), 1,
+                       (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),
+                        checkpoint, rollout_config(job)))
+    try:
+        return rollout_metrics(pool.generate(TaskSampler(job).eval_requests(num_tasks), temperature=0.0),
+                               prefix="eval")
+    finally:
+        pool.shutdown()
+
+
+def finish(tracker: Tracker, trainer, pool, metrics: dict[str, float]) -> dict[str, float]:
+    pool.shutdown()
+    trainer.shutdown()
+    tracker.finish()
+    return metrics

@@ -1,0 +1,47 @@
+"""Job configs: YAML deltas over typed defaults, overrides, and errors that name the key before anything starts."""
+
+import pytest
+
+from agentrl.config import ConfigError, JobConfig, load_config
+
+
+def test_quickstart_config_loads_with_overrides_and_ties_the_trainer_to_the_job():
+    job, resolved = load_config("configs/quickstart.yaml", ["rollout.group_size=4", "run_dir=/tmp/x",
+                                                            "rollout.temperature=0.7"])
+    assert isinstance(job, JobConfig) and job.rollout.group_size == 4
+    assert job.trainer.run_dir == "/tmp/x" and job.trainer.temperature == 0.7
+    assert job.env.train_tasks == job.env.num_tasks - job.env.eval_tasks
+    assert resolved.rollout.group_size == 4
+
+
+@pytest.mark.parametrize("override,key", [
+    ("rollout.nope=1", "rollout.nope"),
+    ("rollout.group_size=abc", "rollout.group_size"),
+    ("rollout.group_size=0", "rollout.group_size"),
+    ("algorithm.mode=fast", "algorithm.mode"),
+    ("trainer.zero_stage=1", "zero_stage"),
+    ("env.eval_tasks=5000", "env.eval_tasks"),
+    ("model.preset=gpt5", "model.preset"),
+    ("cluster.placement=anywhere", "cluster.placement"),
+])
+def test_bad_configs_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/quickstart.yaml", [override])
+
+
+def test_malformed_override_and_missing_file():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["oops"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/does-not-exist.yaml")
+
+
+def test_context_schedule_picks_the_stage_in_force():
+    job, _ = load_config(None, ["algorithm.context_schedule=[{start_step: 0, max_trajectory_tokens: 8192},"
+                                "{start_step: 10, max_trajectory_tokens: 65536}]"])
+    assert job.algorithm.max_trajectory_tokens(0, 1024) == 8192
+    assert job.algorithm.max_trajectory_tokens(9, 1024) == 8192
+    assert job.algorithm.max_trajectory_tokens(10, 1024) == 65536
+    with pytest.raises(ConfigError, match="increase"):
+        load_config(None, ["algorithm.context_schedule=[{start_step: 5, max_trajectory_tokens: 1},"
+                           "{start_step: 1, max_trajectory_tokens: 2}]"])
