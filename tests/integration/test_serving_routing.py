@@ -85,7 +85,8 @@ def test_untaken_finished_records_are_capped_oldest_first():
     recorder = RoutingRecorder(runner, max_finished_bytes=2 * rows_bytes)
     for i, rid in enumerate(("x-1", "y-1", "z-1")):
         runner.step(recorder, [(rid, [i + 1], [0, 1, 2, 3], experts(4, 10 + i))])
-    runner.step(recorder, [("w-1", [6], [0], experts(1, 20))], finished=("x-1", "y-1", "z-1"))
+    for i, rid in enumerate(("x-1", "y-1", "z-1")):  # they finish one step after another, x first
+        runner.step(recorder, [("w-1", [6], [i], experts(1, 20 + i))], finished=(rid,))
     with pytest.raises(RoutingUnavailable, match="capped"):
         recorder.take(["x"])
     assert set(recorder.take(["y", "z", "w"])) == {"y", "z", "w"}
