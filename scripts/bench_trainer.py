@@ -114,7 +114,8 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows = [bench_training(stage, args.steps, args.groups, ckpt) for stage in (2, 3) for ckpt in (True, False)]
-        print("\nTraining, tiny model (0.31M params), 2 ranks x 1 CPU thread, fp32, gloo, token budget 1024/micro-batch")
+        print("\nTraining, tiny model (0.31M params), 2 ranks x 1 CPU thread, fp32, gloo, "
+              "token budget 1024/micro-batch")
         print("| ZeRO | grad. ckpt | tokens/step | micro-batches/rank | step (s, median) | tokens/s | start-up (s) |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:

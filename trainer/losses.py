@@ -25,8 +25,10 @@ With `old_logprobs="inference"` the ratio already is π_θ/π_infer, so TIS on t
 Token-level loss ("GRPO" as DeepSeekMath writes it, with DAPO's clip-higher when eps_high > eps_low):
     ℓ_t = −c_t · keep_t · min(r_t A_t, clip(r_t, 1 − eps_low, 1 + eps_high) A_t)
 GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its kept tokens' ratios,
-    s_i = exp(mean_{t∈i} (logp_t − old_t)),  ℓ_i = −c_i · min(s_i A_i, clip(s_i, 1 − eps_low, 1 + eps_high) A_i),
-    with the sequence-level TIS weight c_i = min(exp(mean_{t∈i}(sg(logp_t) − infer_t)), C) and weight W_i = Σ_{t∈i} w_t.
+    s_i = exp(mean_{t∈i} (logp_t − old_t)),
+    ℓ_i = −c_i · min(s_i A_i, clip(s_i, 1 − eps_low, 1 + eps_high) A_i),
+    with the sequence-level TIS weight c_i = min(exp(mean_{t∈i}(sg(logp_t) − infer_t)), C)
+    and the sequence's weight W_i = Σ_{t∈i} w_t.
     (GSPO's clip ranges are ~1e-3, not 0.2: set eps_low / eps_high accordingly.)
 SFT: ℓ_t = −logp_t (cross-entropy on the loss-masked tokens).
 Optional terms on every trained token: + kl_coef · k3(π_ref ‖ π_θ) with k3 = e^{ref−logp} − (ref − logp) − 1
@@ -171,7 +173,7 @@ def mismatch_correction(logp_T: torch.Tensor, infer_T: torch.Tensor, mask_T: tor
 def ppo_token_loss(logp_T: torch.Tensor, old_T: torch.Tensor, adv_T: torch.Tensor, weights_T: torch.Tensor,
                    mask_T: torch.Tensor, tis_T: torch.Tensor, keep_T: torch.Tensor, eps_low: float, eps_high: float
                    ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Σ_t w_t · (−c_t · keep_t · min(r_t A_t, clip(r_t, 1−eps_low, 1+eps_high) A_t)), r_t = exp(logp_t − old_t)."""
+    """Σ_t w_t · (−c_t · keep_t · min(r_t A_t, clip(r_t, 1−eps_low, 1+eps_high) A_t)), r_t = e^{logp_t − old_t}."""
     ratio = torch.exp(logp_T - old_T)
     unclipped = ratio * adv_T
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv_T

@@ -10,7 +10,6 @@ import torch
 
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM
-from agentrl.store import StoreConfig, TrajectoryStore
 from agentrl.trainer import LossConfig, TrainerConfig, create_trainer_group
 from agentrl.trainer.batching import plan_step
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss

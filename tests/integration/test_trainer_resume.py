@@ -33,6 +33,7 @@ def test_kill_mid_run_and_resume_repeats_the_next_step_and_loses_nothing(ray_ses
     on_all(group, "save_checkpoint", {"store_position": store.position})
     arrive(4, 2, version=1)  # arrives after the checkpoint: must survive the crash
     m2, batch2 = _train_one(group, store, 1)  # the uninterrupted run's next step
+    weights_after_2 = on_all(group, "replica_checksum")[0]
     arrive(6, 2, version=2)
     batch3 = store.take_batch(2, current_version=2, max_staleness=4)
     pending = [r.step.remote(batch3.trajectories) for r in group.ranks]
@@ -51,6 +52,8 @@ def test_kill_mid_run_and_resume_repeats_the_next_step_and_loses_nothing(ray_ses
         assert r2["loss"] == pytest.approx(m2["loss"], rel=1e-6, abs=1e-9)
         assert r2["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-6)
         assert r2["step"] == m2["step"] == 2 and r2["version"] == 2
+        # the update itself repeats too: Adam's moments, its step count and the QB biases came back exactly
+        assert on_all(group, "replica_checksum")[0] == weights_after_2
         assert m1["loss"] != m2["loss"]
         persisted = TrajectoryStore.read_trajectories(str(run))
         assert sorted(persisted["trajectory_id"]) == sorted(put_ids)
