@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("presets", help="list model presets")
     p.set_defaults(fn=cmd_presets)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("vllm", "ray", "mlflow", "deepspeed", "datasets", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     args.fn(args)
 
 

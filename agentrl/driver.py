@@ -254,6 +254,8 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker):
                                    group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
         metrics = on_all(trainer, "step", batch, sft)
         tracker.log_metrics({f"sft/{k}": v for k, v in metrics.items()}, step=step)
+        if step % 10 == 0 or step + 1 == job.algorithm.sft_steps:
+            log.info("sft step %d/%d: loss %.3f", step + 1, job.algorithm.sft_steps, metrics.get("loss", 0.0))
     return on_all(trainer, "publish_weights")
 
 
