@@ -15,32 +15,13 @@ A full update must cover every parameter (and the routers' selection biases); `s
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
-from safetensors import safe_open
 
-from agentrl.model.checkpoint import INDEX_FILE
+from agentrl.model.checkpoint import iter_checkpoint_tensors
 from agentrl.rollout.cpu_seeds import prepare_step_generators
 from agentrl.rollout.routing import RoutingRecorder
-
-
-def iter_checkpoint_tensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a checkpoint directory, one shard in memory at a time."""
-    index = os.path.join(directory, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(directory, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or {INDEX_FILE} in {directory}")
-    for fname in files:
-        with safe_open(os.path.join(directory, fname), framework="pt") as shard:
-            for name in shard.keys():
-                yield name, shard.get_tensor(name)
 
 
 def load_weights_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,

@@ -17,7 +17,8 @@ import re
 from collections.abc import Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 _W13 = re.compile(r"(.*\.experts)\.w13_weight$")
 _W2 = re.compile(r"(.*\.experts)\.w2_weight$")
@@ -104,8 +105,8 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str, *,
     return names
 
 
-def load_checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory, by checkpoint name."""
+def iter_checkpoint_tensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of a checkpoint directory, one shard in memory at a time."""
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
@@ -114,10 +115,15 @@ def load_checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no model.safetensors or {INDEX_FILE} in {directory}")
-    tensors: dict[str, torch.Tensor] = {}
     for fname in files:
-        tensors.update(load_file(os.path.join(directory, fname)))
-    return tensors
+        with safe_open(os.path.join(directory, fname), framework="pt") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+def load_checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, by checkpoint name."""
+    return dict(iter_checkpoint_tensors(directory))
 
 
 def load_state_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
