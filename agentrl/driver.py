@@ -66,8 +66,14 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     if not rl:
         return finish(tracker, trainer, pool, {})
 
+    def submit_rollout(at_step: int):
+        """Starts step `at_step`'s episodes (and the paused ones) under that step's context limit."""
+        limit_at = job.algorithm.max_trajectory_tokens(at_step, job.rollout.max_trajectory_tokens)
+        pool.set_max_trajectory_tokens(limit_at)
+        return pool.submit(sampler.requests(at_step), ray.get(store.take_partials.remote()), job.rollout.token_budget)
+
     tracker.log_metrics(evaluate(pool, job, sampler), step=step)
-    in_flight = pool.submit(sampler.requests(step), ray.get(store.take_partials.remote()), job.rollout.token_budget)
+    in_flight = submit_rollout(step)
     metrics: dict[str, float] = {}
     while step < job.algorithm.steps:
         t_step = time.perf_counter()
@@ -79,9 +85,7 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
         batch = ray.get(store.take_batch.remote(job.rollout.groups_per_step, weights.version,
                                                 job.algorithm.max_staleness))
         if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
-            pool.set_max_trajectory_tokens(job.algorithm.max_trajectory_tokens(step + 1, limit))
-            in_flight = pool.submit(sampler.requests(step + 1), ray.get(store.take_partials.remote()),
-                                    job.rollout.token_budget)
+            in_flight = submit_rollout(step + 1)
         t_train = time.perf_counter()
         train = on_all(trainer, "step", batch.trajectories) if batch else {}                # train
         train_s = time.perf_counter() - t_train
@@ -93,10 +97,8 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
         else:
             sync_s = 0.0
         step += 1
-        if job.algorithm.mode == "sync" and step < job.algorithm.steps:
-            pool.set_max_trajectory_tokens(job.algorithm.max_trajectory_tokens(step, limit))
-            in_flight = pool.submit(sampler.requests(step), ray.get(store.take_partials.remote()),
-                                    job.rollout.token_budget)
+        if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
+            in_flight = submit_rollout(step)
         metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
                    **{f"store/{k}": v for k, v in ray.get(store.stats.remote()).items()},
                    "policy_version": weights.version, "context/max_trajectory_tokens": limit,

@@ -11,7 +11,6 @@ policy's, as the losses' importance ratios need.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
 from collections.abc import Callable
@@ -188,13 +187,3 @@ def _model_type(model_dir: str) -> str | None:
     with open(path) as f:
         return json.load(f).get("model_type")
 
-
-async def gather_limited(coros, limit: int):
-    """asyncio.gather with at most `limit` coroutines running at once, results in order."""
-    semaphore = asyncio.Semaphore(limit)
-
-    async def run(coro):
-        async with semaphore:
-            return await coro
-
-    return await asyncio.gather(*(run(c) for c in coros))
