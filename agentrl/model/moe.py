@@ -102,17 +102,35 @@ class RoutedExperts(nn.Module):
         self.act, self.situ_beta, self.situ_linear_beta = act, situ_beta, situ_linear_beta
 
     def forward(self, x_TM: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = experts_TK.shape
-        flat = experts_TK.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        xs = x_TM[token_of]
-        h = grouped_matmul(xs, self.w13_weight, counts)
+        """Σ_k weights[t, k] · E_{experts[t, k]}(x_t) for every token. [T, M]"""
+        order_S, token_of_S, counts_E = sort_by_expert(experts_TK, self.num_experts)
+        out = self.expert_ffn(x_TM[token_of_S], counts_E)
+        return combine(x_TM, out, weights_TK, order_S, token_of_S)
+
+    def expert_ffn(self, x_SM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Each expert's GLU on its rows: x sorted by expert, counts_E[e] rows for expert e. [S, M]
+
+        The expert-parallel layer (expert_parallel.py) calls this on the rows it received for its local experts.
+        """
+        h = grouped_matmul(x_SM, self.w13_weight, counts_E)
         h = glu(h, self.act, self.situ_beta, self.situ_linear_beta)
-        out = grouped_matmul(h, self.w2_weight, counts)
-        out = out * weights_TK.reshape(-1)[order, None].to(out.dtype)
-        return torch.zeros_like(x_TM).index_add_(0, token_of, out)
+        return grouped_matmul(h, self.w2_weight, counts_E)
+
+
+def sort_by_expert(experts_TK: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The S = T·K (token, expert) pairs sorted by expert: (order [S] into the flat pairs, token of each [S],
+    rows per expert [E])."""
+    flat = experts_TK.reshape(-1)
+    order_S = torch.argsort(flat, stable=True)
+    return order_S, order_S // experts_TK.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def combine(x_TM: torch.Tensor, out_SM: torch.Tensor, weights_TK: torch.Tensor, order_S: torch.Tensor,
+            token_of_S: torch.Tensor) -> torch.Tensor:
+    """The gate-weighted sum of each token's expert outputs (rows in `sort_by_expert` order). [T, M]"""
+    out_SM = out_SM * weights_TK.reshape(-1)[order_S, None].to(out_SM.dtype)
+    return torch.zeros_like(x_TM).index_add_(0, token_of_S, out_SM)
 
 
 def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -126,8 +144,8 @@ def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tens
         return torch._grouped_mm(x_SK, w_ENK.transpose(1, 2), offs=offsets)
     parts = torch.split(x_SK, counts_E.tolist())
     outs = [part @ w_ENK[e].t() for e, part in enumerate(parts) if part.shape[0]]
-    if not outs:
-        return x_SK.new_zeros(0, w_ENK.shape[1])
+    if not outs:  # no rows (an expert-parallel rank that received none): keep the weights in the graph, so they
+        return x_SK @ w_ENK[0].t()  # get a zero gradient like every other rank's and DeepSpeed reduces them all
     return torch.cat(outs)
 
 
