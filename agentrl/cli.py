@@ -6,6 +6,7 @@
     agentrl init-model --preset tiny --out DIR
     agentrl envs                             registered tool environments
     agentrl presets                          model presets with their parameter counts
+    agentrl plan --preset k3 [--gpus N ...]  parameter counts, memory per GPU, a parallel layout, time estimates
 """
 
 from __future__ import annotations
@@ -75,6 +76,37 @@ def cmd_presets(args) -> None:
         print(f"{name:22s} {total / 1e9:10.3f}B total {active / 1e9:10.3f}B active")
 
 
+def cmd_plan(args) -> None:
+    from agentrl.plan import Cluster, Workload, format_plan, make_plan, resolve_config, smallest_cluster
+
+    try:
+        overrides = json.loads(args.overrides) if args.overrides else None
+    except json.JSONDecodeError as exc:
+        sys.exit(f"agentrl plan: --overrides is not JSON ({exc}): {args.overrides}")
+    if overrides is not None and not isinstance(overrides, dict):
+        sys.exit(f"agentrl plan: --overrides must be a JSON object of config fields, got {args.overrides}")
+    try:
+        cfg = resolve_config(preset=None if args.config else args.preset, path=args.config, overrides=overrides)
+        workload = Workload(context=args.context, micro_batch_tokens=args.micro_batch_tokens,
+                            tokens_per_step=args.tokens_per_step,
+                            gradient_checkpointing=not args.no_gradient_checkpointing,
+                            attn_res_mix=args.attn_res_mix)
+        hardware = dict(gpu_memory_gib=args.gpu_mem_gib, gpus_per_node=args.gpus_per_node,
+                        intra_node_gbytes_s=args.nvlink_gbs, inter_node_gbits_s=args.ib_gbits,
+                        nics_per_node=args.ib_nics)
+        fixed = dict(pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, zero=args.zero)
+        if args.gpus is None:
+            plan = smallest_cluster(cfg, workload, fixed, mfu=args.mfu, **hardware)
+        else:
+            plan = make_plan(cfg, Cluster(num_gpus=args.gpus, **hardware), workload, fixed, mfu=args.mfu)
+    except ValueError as exc:
+        sys.exit(f"agentrl plan: {exc}")
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(format_plan(plan, (args.config or args.preset) + (f" {args.overrides}" if overrides else "")))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL post-training for hybrid MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +135,34 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_envs)
     p = sub.add_parser("presets", help="list model presets")
     p.set_defaults(fn=cmd_presets)
+    p = sub.add_parser("plan", help="memory, parallel layout and time estimates of a model on a GPU cluster",
+                       description="Counts parameters, sizes memory per GPU, picks the fastest layout that fits (or "
+                                   "checks the given degrees) and estimates step time and decode throughput. "
+                                   "Defaults: H200 nodes of 8 GPUs, NVLink 900 GB/s, 8 × 400 Gb/s InfiniBand. "
+                                   "See docs/scale.md.")
+    p.add_argument("--preset", default="k3", help="model preset (default k3)")
+    p.add_argument("--config", default=None, help="a checkpoint directory or its config.json, instead of a preset")
+    p.add_argument("--overrides", default=None, help='JSON object of config fields, e.g. \'{"num_experts": 64}\'')
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster (default: the fewest that fit)")
+    p.add_argument("--gpu-mem-gib", type=float, default=139.0)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nvlink-gbs", type=float, default=900.0, help="intra-node GB/s per GPU")
+    p.add_argument("--ib-gbits", type=float, default=400.0, help="inter-node Gb/s per NIC")
+    p.add_argument("--ib-nics", type=int, default=8, help="NICs per node")
+    p.add_argument("--context", type=int, default=32768, help="tokens per sequence")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: one sequence")
+    p.add_argument("--tokens-per-step", type=int, default=16 * 2**20)
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--attn-res-mix", choices=("fused", "torch", "recomputed"), default="fused",
+                   help="what AttnRes mixes keep for backward: fla's fused kernel (CUDA, default), the PyTorch "
+                        "reference's fp32 stacks, or nothing (recomputed in the checkpoint)")
+    for degree, text in (("pp", "pipeline stages"), ("dp", "data-parallel replicas"),
+                         ("cp", "context-parallel ranks per sequence"), ("ep", "expert-parallel ranks"),
+                         ("zero", "ZeRO stage 0-3")):
+        p.add_argument(f"--{degree}", type=int, default=None, help=f"{text} (default: searched)")
+    p.add_argument("--mfu", type=float, default=None, help="override the calibrated training MFU (0-1)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("vllm", "ray", "mlflow", "deepspeed", "datasets", "urllib3"):
