@@ -23,6 +23,7 @@ from agentrl.plan import (
     calibrated_mfu,
     count_parameters,
     decode_state_bytes,
+    decode_throughput,
     flops_per_token,
     make_plan,
     memory_by_stage,
@@ -170,6 +171,23 @@ def test_decode_state_by_hand():
     config = preset_config("tiny")
     # 3 KDA layers: [2, 16, 16] state + conv tail 3·32 channels × 3; 1 MLA layer: 100 tokens × (32 + 8), all bf16
     assert decode_state_bytes(config, 100) == 2 * (3 * (2 * 16 * 16 + 3 * 32 * 3) + 100 * 40)
+
+
+def test_decode_replica_is_the_smallest_that_holds_the_weights():
+    k3 = preset_config("k3")
+    counts = count_parameters(k3)
+    routed = counts.total["routed_experts"]
+    dense = counts.num_total - routed
+    cluster = Cluster(num_gpus=512)
+    decode = decode_throughput(k3, cluster, 32768)
+    # non-expert weights tensor-parallel over a node, experts over the replica; at most 60% of a GPU
+    assert decode.weights_per_gpu == 2 * (dense / 8 + routed / 128) <= 0.6 * cluster.usable_bytes
+    assert 2 * (dense / 8 + routed / 64) > 0.6 * cluster.usable_bytes
+    assert decode.replica_gpus == 128 and decode.num_replicas == 4
+    assert decode.seqs_per_replica == int(128 * (cluster.usable_bytes - decode.weights_per_gpu)
+                                          // decode_state_bytes(k3, 32768))
+    with pytest.raises(ValueError, match="do not fit in 60% of 64 GPUs"):
+        decode_throughput(k3, Cluster(num_gpus=64), 32768)
 
 
 def test_k3_plan_fits_the_gpus_it_names():
