@@ -30,6 +30,9 @@ class TrainerConfig:
         zero3_param_persistence_threshold: ZeRO-3 leaves parameters smaller than this unsharded.
         num_threads: torch intra-op threads per rank (None: leave as set).
         dist_timeout_s: collective time-out.
+        expert_parallel: ranks the routed experts of every MoE layer are sharded over (1: every rank holds all of
+            them). Must divide the number of ranks and the number of experts; ZeRO-2 only (DeepSpeed's MoE support
+            does not cover ZeRO-3).
     """
 
     run_dir: str
@@ -51,6 +54,7 @@ class TrainerConfig:
     zero3_param_persistence_threshold: int = 100_000
     num_threads: int | None = None
     dist_timeout_s: float = 600.0
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (2, 3):
@@ -65,5 +69,10 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError(f"warmup_steps and grad_clip must be >= 0, got {self.warmup_steps}, {self.grad_clip}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"TrainerConfig.expert_parallel must be >= 1, got {self.expert_parallel}")
+        if self.expert_parallel > 1 and self.zero_stage == 3:
+            raise ValueError(f"TrainerConfig.expert_parallel={self.expert_parallel} needs zero_stage=2: DeepSpeed "
+                             f"partitions expert parameters over expert-data-parallel groups only under ZeRO-1/2")
         if self.keep_weight_versions < 1:
             raise ValueError(f"TrainerConfig.keep_weight_versions must be >= 1, got {self.keep_weight_versions}")

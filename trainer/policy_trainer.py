@@ -16,6 +16,12 @@ same order.
 The Ray actor is `ray.remote(PolicyTrainer)` (trainer/actor.py places the ranks); the class works without Ray, e.g.
 with world_size=1 or under torchrun-style launchers.
 
+With `expert_parallel` = N > 1 the routed experts of every MoE layer are sharded over groups of N consecutive
+ranks (agentrl/model/expert_parallel.py: tokens travel by all-to-all); all ranks stay data-parallel for everything
+else, and ZeRO-2 averages expert gradients over the ranks holding the same experts (trainer/zero.py). Publishing and
+`full_state_dict` gather the experts, so the weights leave in the non-EP layout; checkpoints add that layout as
+shards (trainer/expert_checkpoint.py). `step` reports the all-to-all time as `ep/all_to_all_s`.
+
 Muon is not offered: ZeRO-2/3 hand the optimizer flat shards of the parameters, and Muon's orthogonalisation needs
 each whole matrix. A frozen copy of the initial model is the KL reference (kl_coef > 0); under ZeRO-3 it is not
 sharded.
@@ -37,10 +43,13 @@ import torch
 import torch.distributed as dist
 
 from agentrl.model.config import HybridMoEConfig
+from agentrl.model.expert_parallel import (
+    ExpertParallelStats, apply_expert_parallel, expert_parameter_names, gather_full_experts)
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.trainer import zero
 from agentrl.trainer.batching import pack, plan_step
 from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages
 from agentrl.trainer.publish import PublishedWeights, write_weights
@@ -94,14 +103,20 @@ class PolicyTrainer:
             ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
             ref = ref.to(device=self.device, dtype=torch.bfloat16 if bf16 else torch.float32)
             self.reference = PackedPolicy(ref, config.temperature)
+        self.ep_size = config.expert_parallel
+        self.ep_stats = ExpertParallelStats()
+        if self.ep_size > 1:
+            self._shard_experts()
         self.module = PackedPolicy(self.policy, config.temperature)
         if config.zero_stage == 3:
             zero.prepare_zero3(self.module, self.policy)
         decay = [p for n, p in self.module.named_parameters() if p.ndim >= 2 and "_res_proj" not in n]
         no_decay = [p for n, p in self.module.named_parameters() if not (p.ndim >= 2 and "_res_proj" not in n)]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=config.lr, betas=config.betas, eps=config.adam_eps)
+        param_groups = [{"params": decay, "weight_decay": config.weight_decay, "name": "decay"},
+                        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        if self.ep_size > 1:
+            param_groups = zero.split_expert_param_groups(param_groups)
+        optimizer = torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.adam_eps)
         warmup = config.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
@@ -120,6 +135,7 @@ class PolicyTrainer:
         builds the reference model).
         """
         start = time.perf_counter()
+        self.ep_stats.reset()
         loss_cfg = self.config.loss if loss is None else loss
         if loss_cfg.kl_coef > 0 and self.reference is None:
             raise ValueError(f"this step asks for kl_coef={loss_cfg.kl_coef} but the trainer holds no reference "
@@ -148,8 +164,12 @@ class PolicyTrainer:
         loads = self.policy.update_expert_bias(all_reduce=zero.all_reduce_sum)
         self.global_step += 1
         self.version += 1
-        totals = self._sum_over_ranks(sums)
         seconds = time.perf_counter() - start
+        if self.ep_size > 1:  # per-rank figures, averaged below
+            sums.update({"ep/all_to_all_s": self.ep_stats.all_to_all_s,
+                         "ep/count_exchange_s": self.ep_stats.count_exchange_s, "ep/step_s": seconds,
+                         "ep/rows_sent": self.ep_stats.rows_sent, "ep/rows_kept": self.ep_stats.rows_kept})
+        totals = self._sum_over_ranks(sums)
         metrics = _loss_metrics(totals, loss_cfg)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -159,13 +179,15 @@ class PolicyTrainer:
         if loads:
             metrics["expert_load_max_over_mean"] = max(loads.values())
             metrics.update({f"expert_load/{layer}": v for layer, v in loads.items()})
+        if self.ep_size > 1:
+            metrics.update(self._expert_parallel_metrics(totals))
         return metrics
 
     @torch.no_grad()
     def logprobs(self, trajectories: Sequence[Trajectory], *, routing_replay: bool = False) -> list[np.ndarray]:
         """The current policy's log-prob of each token given the previous ones (index 0 is 0.0), per trajectory.
 
-        Collective under ZeRO-3 (every rank computes all trajectories).
+        Collective under ZeRO-3 and expert parallelism (every rank computes all trajectories).
         """
         self.engine.eval()
         out: list[np.ndarray] = []
@@ -182,19 +204,27 @@ class PolicyTrainer:
 
     def info(self) -> dict[str, object]:
         """Where this rank stands (cheap; also tells a Ray driver that construction finished)."""
-        total = sum(getattr(p, "ds_numel", p.numel()) for p in self.policy.parameters())  # ZeRO-3: full sizes
+        sharded = expert_parameter_names(self.policy)
+        total = sum(getattr(p, "ds_numel", p.numel()) * (self.ep_size if n in sharded else 1)  # full sizes
+                    for n, p in self.policy.named_parameters())
         return {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
                 "device": str(self.device), "zero_stage": self.config.zero_stage, "step": self.global_step,
-                "version": self.version, "parameters": total}
+                "version": self.version, "parameters": total, "expert_parallel": self.ep_size}
 
     def replica_checksum(self) -> str:
         """sha256 of this rank's full weights and buffers (QB biases included): equal on every rank. Collective."""
-        return zero.replica_digest(self.policy, zero_stage=self.config.zero_stage)
+        full = gather_full_experts(self.policy, dst=None) if self.ep_size > 1 else None
+        return zero.replica_digest(self.policy, zero_stage=self.config.zero_stage, replace=full)
 
     # --- weights and checkpoints ----------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The policy's full state dict (training layout, CPU) on rank 0; None on the others. Collective."""
-        return zero.gather_state_dict(self.policy, zero_stage=self.config.zero_stage, rank=self.rank)
+        state = zero.gather_state_dict(self.policy, zero_stage=self.config.zero_stage, rank=self.rank)
+        if self.ep_size > 1 and self.rank < self.ep_size:  # rank 0's expert-parallel group gathers the experts
+            experts = gather_full_experts(self.policy, dst=0)
+            if state is not None:
+                state.update(experts)
+        return state
 
     def publish_weights(self) -> PublishedWeights:
         """Writes the current weights to `<run_dir>/weights/v{version}`; every rank returns the same record."""
@@ -223,6 +253,9 @@ class PolicyTrainer:
         os.makedirs(os.path.join(root, tag), exist_ok=True)
         torch.save(_rng_state(), os.path.join(root, tag, f"rng_rank{self.rank}.pt"))
         self.engine.save_checkpoint(root, tag=tag, client_state={"agentrl": state})
+        if self.ep_size > 1:  # DeepSpeed's module file holds rank 0's experts only
+            save_model_shards(self.policy, self.policy.config, os.path.join(root, tag, MODEL_DIR), rank=self.rank,
+                              ep_size=self.ep_size)
         dist.barrier()
         return os.path.join(root, tag)
 
@@ -237,6 +270,8 @@ class PolicyTrainer:
             raise FileNotFoundError(f"no DeepSpeed checkpoint at {path or root}")
         state = dict(client["agentrl"])
         self.global_step, self.version = state["global_step"], state["version"]
+        if self.ep_size > 1:  # DeepSpeed loaded rank 0's experts into every rank; ZeRO's fp32 copies are right
+            load_local_experts(self.policy, os.path.join(root, tag or _read_latest(root), MODEL_DIR))
         rng_file = os.path.join(root, tag or _read_latest(root), f"rng_rank{self.rank}.pt")
         _set_rng_state(torch.load(rng_file, weights_only=False))
         return state
@@ -248,6 +283,34 @@ class PolicyTrainer:
             dist.destroy_process_group()
 
     # --- internals ------------------------------------------------------------------------------------------------
+    def _shard_experts(self) -> None:
+        num_experts = self.policy.config.num_experts
+        if self.world_size % self.ep_size or num_experts % self.ep_size:
+            raise ValueError(f"expert_parallel={self.ep_size} must divide the number of ranks ({self.world_size}) "
+                             f"and of routed experts ({num_experts})")
+        group, group_name = zero.expert_parallel_group(self.ep_size)
+        apply_expert_parallel(self.policy, group, self.ep_stats)
+        if self.reference is not None:
+            apply_expert_parallel(self.reference.policy, group, self.ep_stats)
+        zero.mark_expert_parameters([p for n, p in self.policy.named_parameters()
+                                     if n in expert_parameter_names(self.policy)], group_name)
+
+    def _expert_parallel_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """All-to-all time (rank mean) and its share of the step; token rows that crossed ranks; the Quantile
+        Balancing load of each expert-parallel rank (its experts' tokens) as max/mean, worst layer."""
+        n = self.world_size
+        rows = totals["ep/rows_sent"] + totals["ep/rows_kept"]
+        metrics = {"ep/all_to_all_s": totals["ep/all_to_all_s"] / n,
+                   "ep/count_exchange_s": totals["ep/count_exchange_s"] / n,
+                   "ep/all_to_all_share": totals["ep/all_to_all_s"] / max(totals["ep/step_s"], 1e-12),
+                   "ep/rows_sent_frac": totals["ep/rows_sent"] / rows if rows else 0.0}
+        rank_loads = [moe.gate.balancer.last_stats.load_E.view(self.ep_size, -1).sum(1)
+                      for moe in self.policy.moe_layers if moe.gate.balancer.last_stats is not None]
+        ratios = [float(x.max() / x.mean()) for x in rank_loads if x.sum() > 0]
+        if ratios:
+            metrics["ep/rank_load_max_over_mean"] = max(ratios)
+        return metrics
+
     def _maybe_without_routing(self, trajectories: Sequence[Trajectory]) -> Sequence[Trajectory]:
         if self.config.routing_replay:
             return trajectories

@@ -11,6 +11,15 @@ the hybrid model and are registered here:
 - KDA reads its short-convolution and output-norm weights directly (`self.q_conv1d.weight`): a leaf module too;
 - Block AttnRes mixes read the norm and query weights in the decoder's forward, and the chunked log-prob head reads
   `lm_head.weight` in the wrapper's forward: *external parameters* of the module whose forward reads them.
+
+Expert parallelism (ZeRO-2 only) uses DeepSpeed's own MoE machinery, as its `MoE` layer does: the expert-parallel
+and expert-data-parallel groups come from `deepspeed.utils.groups` (named `ep_size_{N}`), the sharded expert
+parameters carry `allreduce = False` and `group_name`, and the optimizer's parameter groups are split with
+`split_params_into_different_moe_groups_for_optimizer`. ZeRO-2 then reduces expert gradients over the
+expert-data-parallel group only (dividing by the full data-parallel size, which is right: each expert's gradient
+already sums the contributions of the tokens of every rank in its expert-parallel group) and partitions their
+optimizer state there. DeepSpeed recognises an MoE model only by its own layer classes, so `initialize` builds an
+engine that declares the model MoE when expert parameters are marked.
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ if not torch.cuda.is_available():
 
 import deepspeed  # noqa: E402
 import deepspeed.ops  # noqa: E402
-from deepspeed.utils import set_z3_leaf_modules  # noqa: E402
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
+from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
+from deepspeed.utils import groups, set_z3_leaf_modules  # noqa: E402
 
 from agentrl.model.kda import KimiDeltaAttention  # noqa: E402
 from agentrl.model.moe import SparseMoE  # noqa: E402
@@ -85,9 +96,47 @@ def prepare_zero3(wrapper: nn.Module, policy: nn.Module) -> None:
             deepspeed.zero.register_external_parameter(policy.model, param)
 
 
+def expert_parallel_group(size: int):
+    """(the expert-parallel process group of this rank, its DeepSpeed group name), creating DeepSpeed's expert and
+    expert-data-parallel groups on first use: ranks [0, N), [N, 2N), ... exchange tokens; ranks with the same
+    position in their expert-parallel group hold the same experts and average their gradients."""
+    name = f"ep_size_{size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(size)
+    return groups._get_expert_parallel_group(name), name
+
+
+def mark_expert_parameters(params, group_name: str) -> None:
+    """Marks parameters as expert shards the way DeepSpeed's `Experts` does (no all-reduce over data parallelism;
+    averaged over the expert-data-parallel group `group_name`)."""
+    for p in params:
+        p.allreduce = False
+        p.group_name = group_name
+
+
+def split_expert_param_groups(param_groups: list[dict]) -> list[dict]:
+    """Optimizer parameter groups with the marked expert parameters moved into DeepSpeed MoE groups."""
+    return split_params_into_different_moe_groups_for_optimizer(param_groups)
+
+
+class _ExpertParallelEngine(DeepSpeedEngine):
+    """A DeepSpeedEngine that treats a model with marked expert parameters as an MoE model (see the docstring)."""
+
+    def _configure_distributed_model(self, model):
+        super()._configure_distributed_model(model)
+        self.has_moe_layers = self.has_moe_layers or any(is_moe_param(p) for p in model.parameters())
+
+
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict, lr_scheduler=None):
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                           lr_scheduler=lr_scheduler)
+    expert_parallel = any(is_moe_param(p) for p in model.parameters())
+    engine_class = deepspeed.DeepSpeedEngine
+    if expert_parallel:  # deepspeed.initialize names the engine class it builds from its module's globals
+        deepspeed.DeepSpeedEngine = _ExpertParallelEngine
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                               lr_scheduler=lr_scheduler)
+    finally:
+        deepspeed.DeepSpeedEngine = engine_class
     return engine
 
 
@@ -123,16 +172,19 @@ def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[
     return {k: params[k] if k in params else buffers[k].detach().cpu().clone() for k in keys}
 
 
-def replica_digest(module: nn.Module, *, zero_stage: int) -> str:
-    """sha256 of this rank's view of every parameter (gathered under ZeRO-3) and buffer. Collective under ZeRO-3."""
+def replica_digest(module: nn.Module, *, zero_stage: int, replace: dict[str, torch.Tensor] | None = None) -> str:
+    """sha256 of this rank's view of every parameter (gathered under ZeRO-3) and buffer. Collective under ZeRO-3.
+
+    `replace` substitutes parameters by name (the gathered full experts under expert parallelism)."""
     digest = hashlib.sha256()
+    replace = replace or {}
     for group in _param_groups(module):
         context = (deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None)
                    if zero_stage == 3 else contextlib.nullcontext())
         with context:
             for name, p in group:
                 digest.update(name.encode())
-                digest.update(p.detach().float().cpu().numpy().tobytes())
+                digest.update(replace.get(name, p).detach().float().cpu().numpy().tobytes())
     for name, b in module.named_buffers():
         digest.update(name.encode())
         digest.update(b.detach().float().cpu().numpy().tobytes())

@@ -11,7 +11,7 @@ model code (moe.py) is unchanged and the state dict differs only in the experts'
 One layer's forward on each rank:
 
     1. sort the S pairs by expert (so by owning rank) and count them per expert: counts_E
-    2. exchange counts: one all-to-all of counts_E (L entries to each rank) → received_RL, rows per (source, local expert)
+    2. exchange counts: one all-to-all of counts_E (L entries to each rank) → received_RL [source, local expert]
     3. dispatch: all-to-all of the sorted rows with uneven splits (rows per destination / per source)
     4. reorder the received rows from (source, expert) to (expert, source) and run the local experts grouped
     5. combine: reorder back, all-to-all back to the sources, and the gate-weighted sum on the token's own rank
@@ -152,10 +152,11 @@ class ExpertParallelExperts(RoutedExperts):
                 f"{self.num_experts} (expert-parallel rank {self.ep_rank} of {self.num_ranks})")
 
 
-def apply_expert_parallel(model: nn.Module, group) -> ExpertParallelStats:
+def apply_expert_parallel(model: nn.Module, group, stats: ExpertParallelStats | None = None
+                          ) -> ExpertParallelStats:
     """Shards the routed experts of every SparseMoE in `model` over `group` (in place; every rank of the group calls
-    it on an identical model). Returns the stats object all layers accumulate into."""
-    stats = ExpertParallelStats()
+    it on an identical model). Returns the stats object all layers accumulate into (`stats`, or a new one)."""
+    stats = ExpertParallelStats() if stats is None else stats
     for module in list(model.modules()):
         if isinstance(module, SparseMoE) and not isinstance(module.experts, ExpertParallelExperts):
             module.experts = ExpertParallelExperts(module.experts, group, stats)

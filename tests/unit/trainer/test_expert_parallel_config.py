@@ -1,0 +1,18 @@
+"""The expert_parallel setting: default 1, and ZeRO-3 with expert parallelism refused before anything starts."""
+
+import pytest
+
+from agentrl.config import ConfigError, load_config
+from agentrl.trainer import TrainerConfig
+
+
+def test_expert_parallel_defaults_to_one_and_is_validated():
+    assert TrainerConfig(run_dir="r").expert_parallel == 1
+    assert TrainerConfig(run_dir="r", zero_stage=2, expert_parallel=8).expert_parallel == 8
+    with pytest.raises(ValueError, match="expert_parallel must be >= 1"):
+        TrainerConfig(run_dir="r", expert_parallel=0)
+
+
+def test_zero3_with_expert_parallelism_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match="expert_parallel=2 needs zero_stage=2"):
+        load_config("configs/quickstart.yaml", ["trainer.zero_stage=3", "trainer.expert_parallel=2"])
