@@ -96,9 +96,11 @@ def cmd_plan(args) -> None:
                         nics_per_node=args.ib_nics)
         fixed = dict(pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, zero=args.zero)
         if args.gpus is None:
-            plan = smallest_cluster(cfg, workload, fixed, mfu=args.mfu, **hardware)
+            plan = smallest_cluster(cfg, workload, fixed, mfu=args.mfu, supported_only=args.supported_only,
+                                    **hardware)
         else:
-            plan = make_plan(cfg, Cluster(num_gpus=args.gpus, **hardware), workload, fixed, mfu=args.mfu)
+            plan = make_plan(cfg, Cluster(num_gpus=args.gpus, **hardware), workload, fixed, mfu=args.mfu,
+                             supported_only=args.supported_only)
     except ValueError as exc:
         sys.exit(f"agentrl plan: {exc}")
     if args.json:
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                          ("cp", "context-parallel ranks per sequence"), ("ep", "expert-parallel ranks"),
                          ("zero", "ZeRO stage 0-3")):
         p.add_argument(f"--{degree}", type=int, default=None, help=f"{text} (default: searched)")
+    p.add_argument("--supported-only", action="store_true",
+                   help="only layouts agentrl's trainer runs today (DP with ZeRO-2/3, EP under ZeRO-2; no PP, CP)")
     p.add_argument("--mfu", type=float, default=None, help="override the calibrated training MFU (0-1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)

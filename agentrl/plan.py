@@ -698,10 +698,16 @@ class Plan:
         return out
 
 
-def candidate_layouts(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] | None = None
-                      ) -> list[Layout]:
+def trainer_supports(layout: Layout) -> bool:
+    """Whether agentrl's trainer runs this layout today (trainer/config.py): data parallelism under ZeRO-2 or -3,
+    expert parallelism under ZeRO-2 only; no pipeline or context parallelism yet."""
+    return layout.pp == 1 and layout.cp == 1 and layout.zero in (2, 3) and (layout.ep == 1 or layout.zero == 2)
+
+
+def candidate_layouts(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] | None = None,
+                      supported_only: bool = False) -> list[Layout]:
     """Every valid layout of the cluster's GPUs that agrees with the fixed degrees (searched: any pp dividing the
-    GPUs, cp a power of two, ep any divisor, ZeRO 1-3)."""
+    GPUs, cp a power of two, ep any divisor, ZeRO 1-3), only those the trainer runs today if `supported_only`."""
     cfg = ModelShape.of(cfg)
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     world = cluster.num_gpus
@@ -723,12 +729,14 @@ def candidate_layouts(cfg, cluster: Cluster, workload: Workload, fixed: dict[str
                         check_layout(cfg, layout, cluster, workload)
                     except ValueError:
                         continue
+                    if supported_only and not trainer_supports(layout):
+                        continue
                     out.append(layout)
     return out
 
 
 def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] | None = None,
-              mfu: float | None = None, with_decode: bool = True) -> Plan:
+              mfu: float | None = None, with_decode: bool = True, supported_only: bool = False) -> Plan:
     """The fastest layout that fits (or the fixed one). Raises ValueError when nothing fits, with the closest miss."""
     cfg = ModelShape.of(cfg)
     act_scale = activation_scale()
@@ -737,11 +745,13 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     if fixed.keys() >= {"pp", "dp", "cp", "ep"}:
         check_layout(cfg, Layout(**{"zero": 1, **fixed}), cluster, workload)  # names the bad degree
-    layouts = candidate_layouts(cfg, cluster, workload, fixed)
+    layouts = candidate_layouts(cfg, cluster, workload, fixed, supported_only)
     if not layouts:
         raise ValueError(f"no valid layout of {cluster.num_gpus} GPUs with {fixed or 'no fixed degrees'} "
                          f"(ep must divide dp·cp and the {cfg.num_experts} experts, pp ≤ "
-                         f"{cfg.num_hidden_layers} layers, cp must split the micro-batch)")
+                         f"{cfg.num_hidden_layers} layers, cp must split the micro-batch"
+                         + ("; the trainer runs today only pp = cp = 1, ZeRO-2 or -3, ep > 1 under ZeRO-2 only)"
+                            if supported_only else ")"))
     best = closest = None
     for layout in layouts:
         mem = memory_per_gpu(cfg, layout, workload, act_scale)
@@ -754,15 +764,20 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
             best = (layout, mem, t)
     if best is None:
         layout, mem = closest
+        parts = dict(weights=mem.weights, gradients=mem.gradients, optimizer=mem.optimizer,
+                     gathered_layers=mem.zero3_gather, activations=mem.activations_stored + mem.activations_transient,
+                     logits=mem.logits)
+        breakdown = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.1f}" for k, v in parts.items() if v)
         raise ValueError(
             f"nothing fits in {cluster.num_gpus} × {cluster.gpu_memory_gib} GiB GPUs "
             f"({cluster.usable_bytes / GiB:.1f} GiB usable each): the closest, {layout.describe()}, needs "
-            f"{mem.total / GiB:.1f} GiB per GPU (weights {mem.weights / GiB:.1f}, gradients "
-            f"{mem.gradients / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, activations "
-            f"{(mem.activations_stored + mem.activations_transient) / GiB:.1f}). Add GPUs, shorten the context or "
-            f"the micro-batch, or raise ZeRO / CP / EP.")
+            f"{mem.total / GiB:.1f} GiB per GPU ({breakdown}). Add GPUs, shorten the context or the micro-batch, "
+            f"or raise ZeRO / CP / EP / PP.")
     layout, mem, t = best
     notes = []
+    if not trainer_supports(layout):
+        notes.append("agentrl's trainer does not run this layout yet (today: pp = cp = 1, ZeRO-2 or -3, ep > 1 under "
+                     "ZeRO-2; --supported-only restricts the search to that)")
     if cfg.attn_res_block_size is not None:
         notes.append(f"AttnRes mixes: {ATTN_RES_MIXES[workload.attn_res_mix]} (--attn-res-mix)")
     decode = None
@@ -776,7 +791,7 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
 
 
 def smallest_cluster(cfg, workload: Workload, fixed: dict[str, int] | None = None, mfu: float | None = None,
-                     max_gpus: int = 2**16, **cluster_kwargs) -> Plan:
+                     max_gpus: int = 2**16, supported_only: bool = False, **cluster_kwargs) -> Plan:
     """The plan on the fewest GPUs (1, 2, 4, ... up to a node, then whole nodes in powers of two) that fit."""
     cfg = ModelShape.of(cfg)
     gpn = cluster_kwargs.get("gpus_per_node", 8)
@@ -786,7 +801,8 @@ def smallest_cluster(cfg, workload: Workload, fixed: dict[str, int] | None = Non
         if n > max_gpus:
             break
         try:
-            return make_plan(cfg, Cluster(num_gpus=n, **cluster_kwargs), workload, fixed, mfu)
+            return make_plan(cfg, Cluster(num_gpus=n, **cluster_kwargs), workload, fixed, mfu,
+                             supported_only=supported_only)
         except ValueError as exc:
             last_error = exc
     raise ValueError(f"no cluster of up to {max_gpus} GPUs fits: {last_error}")

@@ -30,6 +30,7 @@ from agentrl.plan import (
     memory_per_gpu,
     smallest_cluster,
     step_time,
+    trainer_supports,
 )
 
 
@@ -215,6 +216,16 @@ def test_impossible_layouts_are_refused_with_the_reason():
         make_plan(preset_config("small"), Cluster(num_gpus=8), Workload(), dict(pp=1, dp=4, cp=1, ep=1))
     with pytest.raises(ValueError, match="not a whole number of 8-GPU nodes"):
         Cluster(num_gpus=12)
+
+
+def test_supported_only_keeps_to_what_the_trainer_runs():
+    small = make_plan(preset_config("small"), Cluster(num_gpus=8), Workload(context=8192), supported_only=True)
+    assert trainer_supports(small.layout) and small.layout.pp == small.layout.cp == 1
+    assert not trainer_supports(Layout(dp=8, ep=8, zero=3)) and not trainer_supports(Layout(dp=8, zero=1))
+    # K3 with data and expert parallelism only: a ZeRO-3 layer gathers all 896 experts (2 × 60 GB), and under ZeRO-2
+    # the 55.5B non-expert parameters are replicated; no cluster size helps
+    with pytest.raises(ValueError, match=r"nothing fits in 4096 .*gathered layers 112\.6"):
+        make_plan(preset_config("k3"), Cluster(num_gpus=4096), Workload(context=4096), supported_only=True)
 
 
 def test_cli_k3_prints_the_published_counts_and_a_fitting_layout(capsys):
