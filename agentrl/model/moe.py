@@ -12,6 +12,9 @@ T_i = top-K(s_i + b) (within the top groups when grouped). The gate weights neve
 Dispatch is grouped by expert: the K·T (token, expert) pairs are sorted by expert and each expert's rows go through
 one matmul (`torch._grouped_mm` on CUDA: one kernel for all experts; on CPU a split over the experts present).
 
+Expert parallelism (experts sharded over ranks, tokens exchanged by all-to-all) replaces `RoutedExperts` with the
+subclass in expert_parallel.py, which reuses `sort_by_expert`, `expert_ffn` and `combine`.
+
 Routing replay: `forced_experts_TK` makes the layer use the given experts (e.g. those the inference engine chose)
 instead of its own top-K; the gate weights are still computed from this forward's scores. A row of −1 leaves that
 token's routing to the layer.
@@ -139,14 +142,13 @@ def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tens
     On CUDA (bf16) one `torch._grouped_mm` call; elsewhere a split over the experts that received rows (its backward
     on CPU rejects the broadcast gradients autograd produces, and the split is as fast there).
     """
+    if x_SK.shape[0] == 0:  # no rows (an expert-parallel rank that received none): keep the weights in the graph,
+        return x_SK @ w_ENK[0].t()  # so they get a zero gradient like every other rank's and DeepSpeed reduces all
     if x_SK.is_cuda and hasattr(torch, "_grouped_mm") and x_SK.dtype == torch.bfloat16:
         offsets = torch.cumsum(counts_E, 0).to(torch.int32)
         return torch._grouped_mm(x_SK, w_ENK.transpose(1, 2), offs=offsets)
     parts = torch.split(x_SK, counts_E.tolist())
-    outs = [part @ w_ENK[e].t() for e, part in enumerate(parts) if part.shape[0]]
-    if not outs:  # no rows (an expert-parallel rank that received none): keep the weights in the graph, so they
-        return x_SK @ w_ENK[0].t()  # get a zero gradient like every other rank's and DeepSpeed reduces them all
-    return torch.cat(outs)
+    return torch.cat([part @ w_ENK[e].t() for e, part in enumerate(parts) if part.shape[0]])
 
 
 class SparseMoE(nn.Module):

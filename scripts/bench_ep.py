@@ -1,0 +1,144 @@
+"""Expert-parallel training benchmark: N trainer steps per expert-parallel degree, one table row each.
+
+Columns: training tokens/s per rank, step time, the all-to-all time (dispatch + combine, forward + backward and
+checkpoint recomputation, rank mean) and its share of the step, the count exchanges, the fraction of token rows
+that crossed ranks, Quantile Balancing's max/mean load per expert and per expert-parallel rank (worst MoE layer, last
+step), and the weight-gather time (`full_state_dict`: the experts gathered to rank 0, what publishing pays).
+
+Ranks are PolicyTrainer processes (no Ray): spawned here with gloo on CPU, or launched by torchrun (NCCL on GPUs).
+
+    # CPU, 2 ranks (spawned), EP 1 vs 2 on the tiny hybrid with 64 experts:
+    .venv/bin/python scripts/bench_ep.py --nproc 2 --ep 1 2
+    # 8 GPUs, one node:
+    torchrun --nproc-per-node 8 scripts/bench_ep.py --preset small --experts 64 --top-k 4 --ep 1 8 \\
+        --steps 5 --groups 16 --length 4096 --micro-batch-tokens 16384
+
+Each degree builds a fresh trainer from the same seed; the first two steps are warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agentrl.model.config import preset_config  # noqa: E402
+from agentrl.types import Trajectory  # noqa: E402
+
+WARMUP = 2
+LENGTH_MIX = (1.0, 0.0625, 0.25, 0.125, 0.5, 0.03125, 0.09375, 0.1875)  # fractions of --length per trajectory
+
+
+def batch(step: int, num_groups: int, length: int, vocab: int) -> list[Trajectory]:
+    rng = np.random.default_rng(step)
+    out = []
+    for g in range(num_groups):
+        for m in range(4):
+            n = max(32, int(length * LENGTH_MIX[(g * 4 + m) % len(LENGTH_MIX)]))
+            t = Trajectory(trajectory_id=f"{step}-{g}-{m}", task_id=str(g), group_id=f"{step}-{g}", env_id="bench",
+                           reward=float(m % 2))
+            t.append_prompt(rng.integers(0, vocab, 16).tolist())
+            t.append_sampled(rng.integers(0, vocab, n - 16).tolist(), (-rng.random(n - 16) * 6).tolist(), version=0)
+            out.append(t)
+    return out
+
+
+def bench_one(args, ep: int, rank: int, world: int, local_rank: int, port: int) -> dict | None:
+    from agentrl.trainer import LossConfig, TrainerConfig
+    from agentrl.trainer.policy_trainer import PolicyTrainer
+
+    model = preset_config(args.preset, num_experts=args.experts, num_experts_per_token=args.top_k)
+    with tempfile.TemporaryDirectory() as run:
+        cfg = TrainerConfig(run_dir=run, zero_stage=2, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
+                            expert_parallel=ep, loss=LossConfig(tis_cap=2.0),
+                            num_threads=1 if not torch.cuda.is_available() else None)
+        trainer = PolicyTrainer(cfg, model, rank=rank, world_size=world, local_rank=local_rank,
+                                master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=port)
+        rows = []
+        for s in range(WARMUP + args.steps):
+            m = trainer.step(batch(s, args.groups, args.length, model.vocab_size))
+            if s >= WARMUP:
+                rows.append(m)
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.full_state_dict()
+        gather_s = time.perf_counter() - start
+        gather = torch.tensor([gather_s], dtype=torch.float64)
+        dist.all_reduce(gather, op=dist.ReduceOp.MAX)
+        del trainer
+    if rank != 0:
+        return None
+    mean = lambda key: statistics.mean(r.get(key, float("nan")) for r in rows)  # noqa: E731
+    last = rows[-1]
+    return {"ep": ep, "ranks": world, "tokens/s/rank": mean("tokens_per_s") / world, "step_s": mean("step_s"),
+            "a2a_s": mean("ep/all_to_all_s") if ep > 1 else 0.0,
+            "a2a_share": mean("ep/all_to_all_share") if ep > 1 else 0.0,
+            "counts_s": mean("ep/count_exchange_s") if ep > 1 else 0.0,
+            "rows_sent": mean("ep/rows_sent_frac") if ep > 1 else 0.0,
+            "qb_expert": last.get("expert_load_max_over_mean", float("nan")),
+            "qb_rank": last.get("ep/rank_load_max_over_mean", float("nan")) if ep > 1 else 1.0,
+            "gather_s": float(gather[0]), "tokens/step": mean("packed_tokens")}
+
+
+def print_table(results: list[dict], args, world: int) -> None:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
+    print(f"\n{args.preset} preset, {args.experts} experts top-{args.top_k}, {world} ranks on {device}, "
+          f"{args.steps} steps after {WARMUP} warm-up, ZeRO-2, micro-batch {args.micro_batch_tokens} tokens")
+    print("| EP | tokens/s/rank | step s | all-to-all s | all-to-all share | count exchange s | rows sent to "
+          "other ranks | QB max/mean per expert | QB max/mean per EP rank | weight gather s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['ep']} | {r['tokens/s/rank']:.0f} | {r['step_s']:.3f} | {r['a2a_s']:.3f} | "
+              f"{100 * r['a2a_share']:.1f}% | {r['counts_s']:.3f} | {100 * r['rows_sent']:.0f}% | "
+              f"{r['qb_expert']:.2f} | {r['qb_rank']:.2f} | {r['gather_s']:.3f} |")
+
+
+def run_all(rank: int, world: int, local_rank: int, port: int, args) -> None:
+    results = [bench_one(args, ep, rank, world, local_rank, port) for ep in args.ep]
+    if rank == 0:
+        print_table(results, args, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    run_all(rank, world, rank, port, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not launched by torchrun")
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="expert-parallel degrees to compare")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=4, help="GRPO groups of 4 trajectories per step")
+    parser.add_argument("--length", type=int, default=1024, help="longest trajectory; the others are fractions")
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    args = parser.parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        run_all(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
+                int(os.environ["MASTER_PORT"]), args)
+        return
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc, join=True)
+
+
+if __name__ == "__main__":
+    main()
