@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agentrl.model.layers import RMSNorm
+from agentrl.model.layers import RMSNorm, fla_op
 
 
 def attn_res_query(hidden_size: int) -> nn.Linear:
@@ -29,7 +29,19 @@ def attn_res_query(hidden_size: int) -> nn.Linear:
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, query: nn.Linear) -> torch.Tensor:
-    """Σ_i softmax_i(w · RMSNorm(v_i)) · v_i over the sources, computed in fp32."""
+    """Σ_i softmax_i(w · RMSNorm(v_i)) · v_i over the sources, computed in fp32.
+
+    On CUDA, fla's fused AttnRes kernel (`fla.ops.attnres.fused_attnres`, the same function) reads each source once
+    instead of materialising the [S, T, D] fp32 stack and its norms.
+    """
+    fused = fla_op(sources[0], "fla.ops.attnres")
+    if fused is not None:
+        return fused.fused_attnres(query=query.weight[0], residuals=sources, rms_weight=norm.weight,
+                                   rms_eps=norm.variance_epsilon)
+    return attn_res_mix_torch(sources, norm, query)
+
+
+def attn_res_mix_torch(sources: list[torch.Tensor], norm: RMSNorm, query: nn.Linear) -> torch.Tensor:
     values_STD = torch.stack(sources).float()
     keys = values_STD * torch.rsqrt(values_STD.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     logits_ST = (keys * (norm.weight.float() * query.weight[0].float())).sum(-1)

@@ -25,7 +25,7 @@ from torch import nn
 from agentrl.model import kda_ops
 from agentrl.model.cache import KDAState
 from agentrl.model.config import HybridMoEConfig
-from agentrl.model.layers import gated_rms_norm, l2norm, short_conv
+from agentrl.model.layers import fla_op, gated_rms_norm, l2norm, short_conv
 
 
 class KimiDeltaAttention(nn.Module):
@@ -71,8 +71,16 @@ class KimiDeltaAttention(nn.Module):
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def decay(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [T, H, K] in fp32."""
-        z = self.f_b_proj(self.f_a_proj(x_TD)).float() + self.dt_bias.float()
+        """Per-channel log-decay g [T, H, K] in fp32 (on CUDA through fla's fused gate kernel, the same formulas)."""
+        z = self.f_b_proj(self.f_a_proj(x_TD))
+        fused = fla_op(z, "fla.ops.kda.gate")
+        if fused is not None:
+            return fused.fused_kda_gate(z.view(-1, self.num_heads, self.head_dim), self.A_log, self.dt_bias,
+                                        lower_bound=self.lower_bound)
+        return self.decay_torch(z)
+
+    def decay_torch(self, z_TP: torch.Tensor) -> torch.Tensor:
+        z = z_TP.float() + self.dt_bias.float()
         z = z.view(-1, self.num_heads, self.head_dim)
         rate = self.A_log.float().exp().view(1, -1, 1)
         if self.lower_bound is not None:

@@ -4,13 +4,45 @@ Legend: T = tokens (packed), N = sequences, C = channels, W = convolution width,
 
 Sequences are packed along T and delimited by `cu_seqlens` ([N+1] offsets), as in FlashAttention and fla; nothing
 here mixes tokens of different sequences.
+
+On CUDA with fla importable (fla-core 0.6.0), the norms and the short convolution run as fla's fused Triton kernels
+(`fla_op`); the PyTorch forms here stay the reference and the CPU path, and tests/gpu compares the two.
+`set_fused(False)` turns the kernels off (scripts/bench_gpu.py measures what they buy).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_FUSED = True
+
+
+def set_fused(enabled: bool) -> bool:
+    """Turns fla's fused CUDA kernels on or off for the whole model; returns the previous setting."""
+    global _FUSED
+    previous, _FUSED = _FUSED, enabled
+    return previous
+
+
+@functools.cache
+def _import(module: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module)
+    except Exception:  # fla missing, or no Triton on this machine
+        return None
+
+
+def fla_op(x: torch.Tensor, module: str) -> ModuleType | None:
+    """fla's `module` when x lives on CUDA, the fused kernels are on and fla imports; else None."""
+    if not (_FUSED and x.is_cuda):
+        return None
+    return _import(module)
 
 
 class RMSNorm(nn.Module):
@@ -22,14 +54,29 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        fused = fla_op(x, "fla.modules.norm.layernorm")
+        if fused is not None and x.dtype == self.weight.dtype:
+            return fused.rms_norm(x, self.weight, None, eps=self.variance_epsilon)
+        return rms_norm_torch(x, self.weight, self.variance_epsilon)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight ⊙ x / sqrt(mean(x²) + eps), normalised in fp32 (the reference of RMSNorm's fused kernel)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """weight ⊙ RMSNorm(x) ⊙ σ(gate) over the last dim, in fp32 (KDA's per-head output norm)."""
+    fused = fla_op(x, "fla.modules.norm.fused_norm_gate")
+    if fused is not None:
+        return fused.rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
+    return gated_rms_norm_torch(x, weight, gate, eps)
+
+
+def gated_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
@@ -38,6 +85,13 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σx² + eps): fla's and transformers' form (eps inside the root, not F.normalize's max)."""
+    fused = fla_op(x, "fla.modules.norm.l2norm")
+    if fused is not None:
+        return fused.l2norm(x, eps)
+    return l2norm_torch(x, eps)
+
+
+def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
@@ -104,10 +158,18 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
     Returns:
         y_TC, and the final state [N, C, W−1] (each sequence's last W−1 inputs, drawn from the initial state for
         sequences shorter than W−1). Computed in fp32, returned in x's dtype (state in fp32).
+
+    Without a carried state (training, prefill from scratch) on CUDA, y comes from fla's Triton causal_conv1d.
     """
     num_tokens, channels = x_TC.shape
     width = weight_C1W.shape[-1]
     num_seqs = cu_seqlens.numel() - 1
+    fused = fla_op(x_TC, "fla.modules.causal_conv1d.ops") if initial_state_NCW is None else None
+    if fused is not None and activation in ("silu", None) and num_tokens:
+        y, _ = fused.causal_conv1d(x_TC[None], weight=weight_C1W.reshape(channels, width).to(x_TC.dtype),
+                                   activation=activation, cu_seqlens=cu_seqlens)
+        zeros = x_TC.new_zeros(num_seqs, channels, width - 1, dtype=torch.float32)
+        return y[0], _final_conv_state(x_TC, zeros.transpose(1, 2), cu_seqlens, width)
     w_CW = weight_C1W.reshape(channels, width).float()
     x = x_TC.float()
     if initial_state_NCW is None:
@@ -125,12 +187,19 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unknown conv activation {activation!r}")
-    # final state: the last W-1 entries of [state | sequence]
+    return y.to(x_TC.dtype), _final_conv_state(x, state_NWC, cu_seqlens, width)
+
+
+def _final_conv_state(x: torch.Tensor, state_NWC: torch.Tensor, cu_seqlens: torch.Tensor, width: int
+                      ) -> torch.Tensor:
+    """The last W−1 entries of [state | sequence] of each sequence, [N, C, W−1] in fp32."""
+    num_tokens, channels = x.shape
+    num_seqs = cu_seqlens.numel() - 1
     lengths_N = cu_seqlens[1:] - cu_seqlens[:-1]
     ext_NW = lengths_N[:, None] + torch.arange(width - 1, device=x.device)  # positions in [state | seq] coordinates
     from_seq = ext_NW >= width - 1
     tok_NW = (cu_seqlens[:-1, None] + ext_NW - (width - 1)).clamp(0, max(num_tokens - 1, 0))
-    seq_vals = x[tok_NW] if num_tokens else x.new_zeros(num_seqs, width - 1, channels)
+    seq_vals = x[tok_NW].float() if num_tokens else state_NWC.new_zeros(num_seqs, width - 1, channels)
     state_vals = state_NWC[torch.arange(num_seqs, device=x.device)[:, None], ext_NW.clamp(max=width - 2)]
     final_NWC = torch.where(from_seq[..., None], seq_vals, state_vals)
-    return y.to(x_TC.dtype), final_NWC.transpose(1, 2).contiguous()
+    return final_NWC.transpose(1, 2).contiguous()

@@ -1,0 +1,367 @@
+"""GPU benchmarks of the hybrid model on an H200, each comparison measured in one run, printed as Markdown tables.
+
+    python scripts/bench_gpu.py throughput   # fwd+bwd tokens/s and MFU at 4K/32K/128K: agentrl `small`, fla's
+                                             # KDAForCausalLM and transformers' KimiLinearForCausalLM, matching sizes
+    python scripts/bench_gpu.py memory       # peak memory vs sequence length (gradient checkpointing on)
+    python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
+    python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
+    python scripts/bench_gpu.py profile      # torch.profiler kernel table of one `small` fwd+bwd (--tokens, --out)
+    python scripts/bench_gpu.py all          # throughput, gate, memory, publish
+
+Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
+target log-probs; fla's fused linear cross-entropy; transformers' full logits and cross-entropy. MFU is
+6·N_active·tokens / step time over the H200's dense bf16 peak (990 TFLOP/s, datasheet), the anchors' convention:
+it ignores attention's T² FLOPs, so the MLA models do more work than it credits at 128K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agentrl.model import layers  # noqa: E402
+from agentrl.model.config import preset_config  # noqa: E402
+from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
+
+PEAK_FLOPS = 990e12
+TOKENS = (4096, 32768, 131072)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+# --- the three models ---------------------------------------------------------------------------------------------
+def agentrl_small(**overrides) -> tuple[torch.nn.Module, int, int]:
+    model = HybridMoEForCausalLM(preset_config("small", **overrides))
+    total, active = model.parameter_counts()
+    return model, total, active
+
+
+def agentrl_loss(model, ids):
+    return -model(ids[:, :-1], target_ids=ids[:, 1:]).token_logprobs.mean()
+
+
+def fla_kda(**overrides) -> tuple[torch.nn.Module, int, int]:
+    """fla's all-KDA model at the small preset's width: hidden 1024, 8 layers, 8 heads of 128, vocab 32K."""
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    cfg = KDAConfig(hidden_size=1024, num_hidden_layers=8, num_heads=8, head_dim=128, vocab_size=32768,
+                    **overrides)
+    model = KDAForCausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    return model, total, total
+
+
+def hf_loss(model, ids):
+    return model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+
+
+def kimi_linear() -> tuple[torch.nn.Module, int, int]:
+    """transformers' KimiLinearForCausalLM at the small preset's sizes (no latent MoE, no AttnRes: it has neither)."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    s = preset_config("small")
+    cfg = KimiLinearConfig(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        moe_intermediate_size=s.moe_intermediate_size, num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_attention_heads,
+        kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.qk_rope_head_dim, qk_nope_head_dim=s.qk_nope_head_dim,
+        v_head_dim=s.v_head_dim, num_local_experts=s.num_experts, num_experts_per_tok=s.num_experts_per_token,
+        n_shared_experts=s.num_shared_experts, routed_scaling_factor=s.routed_scaling_factor,
+        linear_attn_config=dict(head_dim=s.kda_head_dim, num_heads=s.kda_num_heads, short_conv_kernel_size=4,
+                                kda_layers=list(s.linear_attn_config["kda_layers"]),
+                                full_attn_layers=list(s.linear_attn_config["full_attn_layers"])),
+        first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = KimiLinearForCausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - routed + routed * s.num_experts_per_token // s.num_experts
+    return model, total, active
+
+
+# --- timing -------------------------------------------------------------------------------------------------------
+def step_time(model, loss_fn, tokens: int, repeats: int = 3) -> float:
+    """Median seconds of one fwd+bwd on one sequence of `tokens` tokens, after a warm-up step."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
+
+    def step():
+        loss_fn(model, ids).backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(model, loss_fn, tokens: int, active: int, repeats: int = 3) -> tuple[str, str, str]:
+    """(tokens/s, MFU, note); retries with gradient checkpointing on OOM."""
+    note = ""
+    try:
+        dt = step_time(model, loss_fn, tokens, repeats)
+    except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        model.gradient_checkpointing_enable()
+        try:
+            dt = step_time(model, loss_fn, tokens, repeats)
+            note = "ckpt"
+        except torch.OutOfMemoryError:
+            return "OOM", "", ""
+        finally:
+            model.gradient_checkpointing_disable()
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    return f"{tokens / dt:,.0f}", f"{6 * active * tokens / dt / PEAK_FLOPS * 100:.1f}%", note
+
+
+MODELS = {
+    "agentrl": ("agentrl `small` (K3 layout)", agentrl_small, agentrl_loss, True),
+    "unfused": ("agentrl `small`, fla fused kernels off", agentrl_small, agentrl_loss, False),
+    "fla": ("fla KDAForCausalLM", fla_kda, hf_loss, True),
+    "kimi": ("transformers KimiLinearForCausalLM", kimi_linear, hf_loss, True),
+}
+
+
+def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> None:
+    rows = []
+    results: dict[str, dict[int, str]] = {}
+    for name, build, loss_fn, fused in (MODELS[m] for m in (models or list(MODELS))):
+        torch.manual_seed(0)
+        try:
+            model, total, active = build()
+        except Exception as e:  # e.g. a transformers without KimiLinear
+            print(f"  {name}: not built ({type(e).__name__}: {e})", flush=True)
+            continue
+        model = model.to("cuda", torch.bfloat16).train()
+        for tokens in tokens_list:
+            previous = layers.set_fused(fused)
+            try:
+                tps, mfu, note = measure(model, loss_fn, tokens, active)
+            finally:
+                layers.set_fused(previous)
+            results.setdefault(name, {})[tokens] = tps
+            rows.append([name, f"{total / 1e6:.0f}M / {active / 1e6:.0f}M", tokens, tps, mfu, note])
+            print(f"  {name} T={tokens}: {tps} tok/s {mfu} {note}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    print(f"\n### Training throughput, bf16 fwd+bwd, B=1, one H200 ({torch.cuda.get_device_name()})\n")
+    print(table(["model", "params total / active", "tokens", "tokens/s", "MFU (6·N_active·tokens)", "note"], rows))
+    ours = results.get(MODELS["agentrl"][0])
+    ratio_rows = []
+    if ours is None:
+        return
+    for tokens in tokens_list:
+        def num(s):
+            try:
+                return float(s.replace(",", ""))
+            except (ValueError, AttributeError):
+                return None
+        others = [num(results[n][tokens]) for n in results if not n.startswith("agentrl")]
+        others = [o for o in others if o]
+        if num(ours[tokens]) and others:
+            ratio_rows.append([tokens, f"{num(ours[tokens]) / max(others):.2f}×"])
+    print("\nagentrl `small` over the best of the others (tokens/s):\n")
+    print(table(["tokens", "ratio"], ratio_rows))
+    print(flush=True)
+
+
+def bench_gate(tokens_list=(32768, 131072)) -> None:
+    rows = []
+    for label, overrides in (("bounded (K3: −5·σ, safe_gate)", {}),
+                             ("unbounded (Kimi Linear: −e^A·softplus)", dict(linear_attn_config=dict(
+                                 gate_lower_bound=None)))):
+        torch.manual_seed(0)
+        model, _, active = agentrl_small(**overrides)
+        model = model.to("cuda", torch.bfloat16).train()
+        for tokens in tokens_list:
+            tps, mfu, note = measure(model, agentrl_loss, tokens, active)
+            rows.append([label, tokens, tps, mfu, note])
+        del model
+        torch.cuda.empty_cache()
+    print("### Bounded vs unbounded KDA gate inside the `small` model, bf16 fwd+bwd, B=1\n")
+    print(table(["gate", "tokens", "tokens/s", "MFU", "note"], rows))
+    print(flush=True)
+
+
+def bench_memory(tokens_list=(8192, 32768, 131072, 262144, 524288)) -> None:
+    """One cold fwd+bwd per length: MLA's T² attention makes each doubling ~4× slower, so lengths stop at 512K."""
+    torch.manual_seed(0)
+    model, _, _ = agentrl_small()
+    model = model.to("cuda", torch.bfloat16).train()
+    model.gradient_checkpointing_enable()
+    weights = torch.cuda.memory_allocated() / 2**30
+    rows = []
+    for tokens in tokens_list:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            agentrl_loss(model, ids).backward()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            rows.append([tokens, f"{peak:.2f}", f"{peak * 2**20 / tokens:.1f}", f"{tokens / dt:,.0f}"])
+        except torch.OutOfMemoryError:
+            rows.append([tokens, "OOM", "", ""])
+            break
+        finally:
+            model.zero_grad(set_to_none=True)
+            del ids
+        print(f"  memory T={tokens}: {rows[-1]}", flush=True)
+    print(f"### Peak memory vs length, `small`, bf16, gradient checkpointing on (weights {weights:.2f} GiB)\n")
+    print(table(["tokens", "peak GiB above weights (fwd+bwd)", "KiB per token", "tokens/s (one step, cold)"],
+                rows))
+    print(flush=True)
+
+
+# --- weight publishing --------------------------------------------------------------------------------------------
+def _publish_rank(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model, total, _ = agentrl_small()
+    state = {k: torch.randn(v.shape, device="cuda", dtype=torch.bfloat16) for k, v in model.state_dict().items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    flat = torch.cat([t.reshape(-1) for t in state.values()])
+    shard = flat.chunk(2)[rank].clone()
+    gathered = torch.empty(shard.numel() * 2, dtype=flat.dtype, device="cuda")
+
+    def timed(fn, repeats=5, collective=True) -> float:
+        fn()
+        torch.cuda.synchronize()
+        if collective:
+            dist.barrier()
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def per_tensor():
+        for t in state.values():
+            dist.broadcast(t, src=0)
+
+    rows = {
+        "NCCL broadcast, one call per tensor (trainer → rollout)": timed(per_tensor),
+        "NCCL broadcast, one flat bf16 bucket": timed(lambda: dist.broadcast(flat, src=0)),
+        "NCCL all-gather of two flat halves (ZeRO-3 gather)": timed(
+            lambda: dist.all_gather_into_tensor(gathered, shard)),
+    }
+    if rank == 0:
+        big = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
+        other = torch.empty_like(big, device="cuda:1")
+        dst = torch.empty_like(big)
+        copy_s = timed(lambda: dst.copy_(big), collective=False)
+        peer_s = timed(lambda: other.copy_(big), collective=False)
+        queue.put(dict(rows=rows, nbytes=nbytes, total=total, num_tensors=len(state), copy_s=copy_s,
+                       copy_bytes=big.numel(), peer_s=peer_s))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_publish() -> None:
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        print("publish: needs 2 GPUs; skipped")
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_publish_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = queue.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    gb = res["nbytes"] / 1e9
+    rows = [[name, f"{gb:.2f}", f"{s * 1e3:.1f}", f"{gb / s:.0f}"] for name, s in res["rows"].items()]
+    cb = res["copy_bytes"] / 1e9
+    rows.append(["device-to-device copy on one GPU, 4.3 GB (bytes moved = read + write)", f"{cb:.2f}",
+                 f"{res['copy_s'] * 1e3:.1f}", f"{2 * cb / res['copy_s']:.0f} ({cb / res['copy_s']:.0f} copied)"])
+    rows.append(["peer copy GPU0 → GPU1, 4.3 GB (copy_, P2P)", f"{cb:.2f}", f"{res['peer_s'] * 1e3:.1f}",
+                 f"{cb / res['peer_s']:.0f}"])
+    print(f"### Weight publishing GPU→GPU: the `small` state dict ({res['total'] / 1e6:.0f}M parameters, "
+          f"{res['num_tensors']} tensors, bf16)\n")
+    print(table(["transfer", "GB", "ms", "GB/s"], rows))
+    print(flush=True)
+
+
+# --- profile ------------------------------------------------------------------------------------------------------
+def bench_profile(tokens: int, out: str | None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model, _, _ = agentrl_small()
+    model = model.to("cuda", torch.bfloat16).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
+    for _ in range(2):
+        agentrl_loss(model, ids).backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        agentrl_loss(model, ids).backward()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    text = avg.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+            f.write("\n\nby CPU total\n")
+            f.write(avg.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
+    print(f"### Profile of one `small` fwd+bwd at T={tokens}\n")
+    print(text[:6000])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "profile", "all"])
+    parser.add_argument("--tokens", type=int, nargs="*", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--models", nargs="*", default=None, help="throughput: a subset of agentrl, unfused, fla, "
+                        "kimi (default all), in the order given")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "run through the device tool"
+    if args.what in ("throughput", "all"):
+        bench_throughput(tuple(args.tokens) if args.tokens else TOKENS, args.models)
+    if args.what in ("gate", "all"):
+        bench_gate()
+    if args.what in ("memory", "all"):
+        bench_memory(tuple(args.tokens)) if args.tokens and args.what == "memory" else bench_memory()
+    if args.what in ("publish", "all"):
+        bench_publish()
+    if args.what == "profile":
+        bench_profile(args.tokens[0] if args.tokens else 32768, args.out)
+
+
+if __name__ == "__main__":
+    main()
