@@ -105,3 +105,37 @@ def test_expert_parallel_weights_leave_in_the_non_ep_layout_and_resume(ep_group)
     assert on_all(group, "replica_checksum")[0] == weights_after_next  # Adam's state came back for the experts too
     assert again["loss"] == pytest.approx(after_next["loss"], rel=1e-6, abs=1e-9)
     assert again["grad_norm"] == pytest.approx(after_next["grad_norm"], rel=1e-6)
+
+
+def _spawned_rank(rank, world, port, expert_parallel, run_dir, model_path, out):
+    from agentrl.trainer.policy_trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(_cfg(run_dir, expert_parallel), model_path, rank=rank, world_size=world,
+                            master_port=port)
+    metrics = trainer.step(_batch())
+    state = trainer.full_state_dict()
+    if rank == 0:
+        torch.save((metrics, state), out)
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_four_ranks_average_expert_gradients_over_the_expert_data_parallel_group(model_dir, tmp_path):
+    """4 ranks, experts in 2 shards: each shard's gradient is averaged over the 2 ranks that hold it (DeepSpeed's
+    expert-data-parallel group), the step still equals the data-parallel one. Spawned processes, not Ray actors."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    results = {}
+    for ep in (1, 2):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / f"ep{ep}.pt"
+        mp.spawn(_spawned_rank, args=(4, port, ep, str(tmp_path / f"run{ep}"), model_dir, str(out)), nprocs=4)
+        results[ep] = torch.load(out, weights_only=False)
+    (m1, s1), (m2, s2) = results[1], results[2]
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-6, abs=1e-9)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    _assert_states_close(s2, s1)
