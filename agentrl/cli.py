@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{degree}", type=int, default=None, help=f"{text} (default: searched)")
     p.add_argument("--supported-only", action="store_true",
                    help="only layouts agentrl's trainer runs today (DP with ZeRO-2/3, EP under ZeRO-2; no PP, CP)")
-    p.add_argument("--mfu", type=float, default=None, help="override the calibrated training MFU (0-1)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="instead of the calibrated efficiencies: the fraction of peak every training FLOP runs at, "
+                        "recomputation included (0-1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
