@@ -13,7 +13,8 @@ Ranks are PolicyTrainer processes (no Ray): spawned here with gloo on CPU, or la
     torchrun --nproc-per-node 8 scripts/bench_ep.py --preset small --experts 64 --top-k 4 --ep 1 8 \\
         --steps 5 --groups 16 --length 4096 --micro-batch-tokens 16384
 
-Each degree builds a fresh trainer from the same seed; the first two steps are warm-up.
+Each degree builds a fresh trainer from the same seed; the first two steps are warm-up. `--store RUN_DIR` trains on
+the trajectories a run stored (e.g. `agentrl run` of a built-in env) instead of synthetic ones.
 """
 
 from __future__ import annotations
@@ -56,20 +57,47 @@ def batch(step: int, num_groups: int, length: int, vocab: int) -> list[Trajector
     return out
 
 
+def stored_batches(run_dir: str, num_groups: int, vocab: int) -> list[list[Trajectory]]:
+    """Batches of `num_groups` complete GRPO groups from a run's trajectory store (agentrl.store), in arrival order;
+    routed experts dropped (they index the serving model's experts, not this benchmark's)."""
+    from agentrl.store import TrajectoryStore
+
+    groups: dict[str, list[Trajectory]] = {}
+    for row in TrajectoryStore.read_trajectories(run_dir):
+        row.pop("seq")
+        if row.pop("kind") == "partial":
+            continue
+        t = Trajectory.from_row(row)
+        if max(t.tokens) >= vocab:
+            raise ValueError(f"stored trajectory {t.trajectory_id} has token id {max(t.tokens)} >= the model's "
+                             f"vocabulary {vocab}: pass --vocab")
+        t.routed_experts = None
+        groups.setdefault(t.group_id, []).append(t)
+    members = list(groups.values())
+    out = [sum(members[i:i + num_groups], []) for i in range(0, len(members) - num_groups + 1, num_groups)]
+    if not out:
+        raise ValueError(f"{run_dir} holds {len(members)} trajectory groups, fewer than --groups {num_groups}")
+    return out
+
+
 def bench_one(args, ep: int, rank: int, world: int, local_rank: int, port: int) -> dict | None:
     from agentrl.trainer import LossConfig, TrainerConfig
     from agentrl.trainer.policy_trainer import PolicyTrainer
 
-    model = preset_config(args.preset, num_experts=args.experts, num_experts_per_token=args.top_k)
+    overrides = {"vocab_size": args.vocab} if args.vocab else {}
+    model = preset_config(args.preset, num_experts=args.experts, num_experts_per_token=args.top_k, **overrides)
+    stored = stored_batches(args.store, args.groups, model.vocab_size) if args.store else None
     with tempfile.TemporaryDirectory() as run:
         cfg = TrainerConfig(run_dir=run, zero_stage=2, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
-                            expert_parallel=ep, loss=LossConfig(tis_cap=2.0),
+                            expert_parallel=ep, loss=LossConfig(tis_cap=2.0), routing_replay=False,
                             num_threads=1 if not torch.cuda.is_available() else None)
         trainer = PolicyTrainer(cfg, model, rank=rank, world_size=world, local_rank=local_rank,
                                 master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=port)
         rows = []
         for s in range(WARMUP + args.steps):
-            m = trainer.step(batch(s, args.groups, args.length, model.vocab_size))
+            trajectories = (stored[s % len(stored)] if stored else
+                            batch(s, args.groups, args.length, model.vocab_size))
+            m = trainer.step(trajectories)
             if s >= WARMUP:
                 rows.append(m)
         dist.barrier()
@@ -95,7 +123,8 @@ def bench_one(args, ep: int, rank: int, world: int, local_rank: int, port: int) 
 
 def print_table(results: list[dict], args, world: int) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
-    print(f"\n{args.preset} preset, {args.experts} experts top-{args.top_k}, {world} ranks on {device}, "
+    data = f"trajectories of {args.store}" if args.store else "synthetic trajectories"
+    print(f"\n{args.preset} preset, {args.experts} experts top-{args.top_k}, {world} ranks on {device}, {data}, "
           f"{args.steps} steps after {WARMUP} warm-up, ZeRO-2, micro-batch {args.micro_batch_tokens} tokens")
     print("| EP | tokens/s/rank | step s | all-to-all s | all-to-all share | count exchange s | rows sent to "
           "other ranks | QB max/mean per expert | QB max/mean per EP rank | weight gather s |")
@@ -129,6 +158,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="GRPO groups of 4 trajectories per step")
     parser.add_argument("--length", type=int, default=1024, help="longest trajectory; the others are fractions")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's; stored tokens must fit)")
+    parser.add_argument("--store", help="a run directory whose trajectory store supplies the batches (cycled)")
     args = parser.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         run_all(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),

@@ -131,7 +131,7 @@ class ExpertParallelExperts(RoutedExperts):
         rows_NM = all_to_all(x_TM[token_of_S], recv, send, self.group, self.stats)
         # received rows come grouped by source rank, then by local expert; the grouped matmul wants them by expert
         expert_of_N = torch.arange(local, device=x_TM.device).repeat(ranks).repeat_interleave(
-            received_RL.reshape(-1))
+            received_RL.reshape(-1), output_size=sum(recv))  # the size is known: no device sync
         by_expert_N = torch.argsort(expert_of_N, stable=True)
         out_NM = self.expert_ffn(rows_NM[by_expert_N], received_RL.sum(0))
         out_NM = torch.empty_like(out_NM).index_copy(0, by_expert_N, out_NM)  # back to (source, expert) order
