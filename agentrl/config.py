@@ -170,6 +170,11 @@ class JobConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def __post_init__(self) -> None:
+        if self.cluster.trainer_ranks % self.trainer.expert_parallel:
+            raise ValueError(f"trainer.expert_parallel={self.trainer.expert_parallel} must divide "
+                             f"cluster.trainer_ranks={self.cluster.trainer_ranks}")
+
     def store_config(self) -> StoreConfig:
         return StoreConfig(run_dir=self.run_dir, group_size=self.rollout.group_size)
 

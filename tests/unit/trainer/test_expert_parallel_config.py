@@ -16,3 +16,10 @@ def test_expert_parallel_defaults_to_one_and_is_validated():
 def test_zero3_with_expert_parallelism_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="expert_parallel=2 needs zero_stage=2"):
         load_config("configs/quickstart.yaml", ["trainer.zero_stage=3", "trainer.expert_parallel=2"])
+
+
+def test_expert_parallel_must_divide_the_trainer_ranks():
+    with pytest.raises(ConfigError, match=r"trainer\.expert_parallel=2 must divide cluster\.trainer_ranks=3"):
+        load_config("configs/quickstart.yaml", ["trainer.expert_parallel=2", "cluster.trainer_ranks=3"])
+    job, _ = load_config("configs/quickstart.yaml", ["trainer.expert_parallel=2", "cluster.trainer_ranks=4"])
+    assert job.trainer.expert_parallel == 2
