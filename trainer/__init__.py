@@ -3,6 +3,8 @@
 - `PolicyTrainer` (policy_trainer.py): one DeepSpeed rank; step / publish_weights / save_checkpoint / load_checkpoint.
 - `create_trainer_group` (actor.py): the ranks as Ray actors.
 - `TrainerConfig` (config.py), `LossConfig` and the losses (losses.py), packing (batching.py), weights (publish.py).
+- Expert parallelism (`TrainerConfig.expert_parallel`): the layer in agentrl/model/expert_parallel.py, DeepSpeed's
+  MoE groups in zero.py, checkpoints in the non-EP layout in expert_checkpoint.py.
 
 Importing the package loads neither DeepSpeed nor Ray; `PolicyTrainer` and `create_trainer_group` load them on first
 access.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,18 @@ def save_model_shards(policy: nn.Module, config, directory: str, *, rank: int, e
         with open(os.path.join(directory, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     dist.barrier()
+
+
+def saved_expert_parallel(checkpoint_dir: str) -> int:
+    """The expert-parallel degree a trainer checkpoint (`<run>/checkpoints/<tag>`) was saved with (1: no shards)."""
+    directory = os.path.join(checkpoint_dir, MODEL_DIR)
+    if not os.path.isdir(directory):
+        return 1
+    found = (re.fullmatch(r"model-experts-\d+-of-(\d+)\.safetensors", f) for f in os.listdir(directory))
+    degrees = {int(m[1]) for m in found if m}
+    if len(degrees) != 1:
+        raise ValueError(f"{directory} holds expert shards of several expert-parallel degrees: {sorted(degrees)}")
+    return degrees.pop()
 
 
 @torch.no_grad()

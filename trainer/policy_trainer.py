@@ -49,7 +49,7 @@ from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.trainer import zero
 from agentrl.trainer.batching import pack, plan_step
 from agentrl.trainer.config import TrainerConfig
-from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards
+from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages
 from agentrl.trainer.publish import PublishedWeights, write_weights
@@ -265,14 +265,21 @@ class PolicyTrainer:
             root, tag = os.path.join(self.config.run_dir, CHECKPOINT_DIR), None
         else:
             root, tag = os.path.split(os.path.normpath(path))
+        if tag is None and os.path.exists(os.path.join(root, "latest")):
+            tag = _read_latest(root)
+        if tag is not None and os.path.isdir(os.path.join(root, tag)) and \
+                (saved_ep := saved_expert_parallel(os.path.join(root, tag))) != self.ep_size:
+            raise ValueError(f"the checkpoint {os.path.join(root, tag)} was saved with expert_parallel={saved_ep}, "
+                             f"this trainer has {self.ep_size}: resume with the same degree, or start a new trainer "
+                             f"from its weights (`<checkpoint>/{MODEL_DIR}` when saved with expert parallelism)")
         loaded, client = self.engine.load_checkpoint(root, tag=tag)
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint at {path or root}")
         state = dict(client["agentrl"])
         self.global_step, self.version = state["global_step"], state["version"]
         if self.ep_size > 1:  # DeepSpeed loaded rank 0's experts into every rank; ZeRO's fp32 copies are right
-            load_local_experts(self.policy, os.path.join(root, tag or _read_latest(root), MODEL_DIR))
-        rng_file = os.path.join(root, tag or _read_latest(root), f"rng_rank{self.rank}.pt")
+            load_local_experts(self.policy, os.path.join(root, tag, MODEL_DIR))
+        rng_file = os.path.join(root, tag, f"rng_rank{self.rank}.pt")
         _set_rng_state(torch.load(rng_file, weights_only=False))
         return state
 

@@ -23,3 +23,14 @@ def test_expert_parallel_must_divide_the_trainer_ranks():
         load_config("configs/quickstart.yaml", ["trainer.expert_parallel=2", "cluster.trainer_ranks=3"])
     job, _ = load_config("configs/quickstart.yaml", ["trainer.expert_parallel=2", "cluster.trainer_ranks=4"])
     assert job.trainer.expert_parallel == 2
+
+
+def test_a_checkpoint_tells_its_expert_parallel_degree(tmp_path):
+    from agentrl.trainer.expert_checkpoint import MODEL_DIR, saved_expert_parallel
+
+    assert saved_expert_parallel(str(tmp_path)) == 1  # no model shards: saved without expert parallelism
+    (tmp_path / MODEL_DIR).mkdir()
+    for name in ("model-dense.safetensors", "model-experts-00001-of-00004.safetensors",
+                 "model-experts-00002-of-00004.safetensors"):
+        (tmp_path / MODEL_DIR / name).touch()
+    assert saved_expert_parallel(str(tmp_path)) == 4
