@@ -1,7 +1,8 @@
 """Expert parallelism (EP): the routed experts of every MoE layer sharded over the ranks of a process group.
 
 Legend: T = tokens on this rank, K = experts per token, S = T·K (token, expert) pairs, E = routed experts,
-R = ranks in the expert-parallel group, L = experts per rank (E / R), M = expert width.
+R = ranks in the expert-parallel group, L = experts per rank (E / R), N = rows received for the local experts,
+M = expert width.
 
 Rank r of the group holds experts [r·L, (r+1)·L) (the order DeepSpeed's MoE uses, so `group_name` checkpoints and
 its expert-data-parallel groups line up). Everything else — router, shared experts, latent projections — stays
@@ -103,7 +104,7 @@ class ExpertParallelExperts(RoutedExperts):
     and returns their routed output [T, M] like `RoutedExperts` (see the module docstring)."""
 
     def __init__(self, experts: RoutedExperts, group, stats: ExpertParallelStats | None = None):
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not RoutedExperts.__init__: it would allocate all E experts
         self.num_ranks = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         if experts.num_experts % self.num_ranks:
