@@ -108,8 +108,17 @@ def test_expert_parallel_weights_leave_in_the_non_ep_layout_and_resume(ep_group)
 
 
 def _spawned_rank(rank, world, port, expert_parallel, run_dir, model_path, out):
+    from agentrl.trainer import zero
     from agentrl.trainer.policy_trainer import PolicyTrainer
 
+    engine_config = zero.engine_config
+
+    def small_buckets(**kwargs):  # gradient buckets fill during the backward pass, as in a large model: their
+        config = engine_config(**kwargs)  # reductions interleave with the backward all-to-alls
+        config["zero_optimization"].update(reduce_bucket_size=3000, allgather_bucket_size=3000)
+        return config
+
+    zero.engine_config = small_buckets
     trainer = PolicyTrainer(_cfg(run_dir, expert_parallel), model_path, rank=rank, world_size=world,
                             master_port=port)
     metrics = trainer.step(_batch())
@@ -122,7 +131,8 @@ def _spawned_rank(rank, world, port, expert_parallel, run_dir, model_path, out):
 @pytest.mark.slow
 def test_four_ranks_average_expert_gradients_over_the_expert_data_parallel_group(model_dir, tmp_path):
     """4 ranks, experts in 2 shards: each shard's gradient is averaged over the 2 ranks that hold it (DeepSpeed's
-    expert-data-parallel group), the step still equals the data-parallel one. Spawned processes, not Ray actors."""
+    expert-data-parallel group), the step still equals the data-parallel one, also with ZeRO's gradient reductions
+    interleaved with the all-to-alls of the backward pass. Spawned processes, not Ray actors."""
     import socket
 
     import torch.multiprocessing as mp
