@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 config="${1:?usage: scripts/submit.sh CONFIG [key=value ...]}"; shift
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 runtime_env=$(cat <<JSON
-{"working_dir": ".", "excludes": ["runs/", ".venv/", ".git/", "**/__pycache__/", ".hypothesis/", ".whl/"],
+{"working_dir": ".", "excludes": ["runs/", ".venv/", ".git/", "**/__pycache__/", ".hypothesis/", ".pytest_cache/", ".whl/", ".gpuwheels/"],
  "env_vars": {"DS_ACCELERATOR": "${DS_ACCELERATOR:-cpu}", "OMP_NUM_THREADS": "1"}}
 JSON
 )
