@@ -107,11 +107,13 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
                    "weights/publish_s": weights.gather_s + weights.write_s}
         if job.algorithm.eval_every and step % job.algorithm.eval_every == 0 or step == job.algorithm.steps:
             metrics.update(evaluate(pool, job, sampler))
+        t_log = time.perf_counter()
         tracker.log_metrics(metrics, step=step)                                             # log
         tracker.log_transcripts(trajectories, step)
         if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps:
             position = ray.get(store.stats.remote())["position"]
             on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step})
+        tracker.log_metrics({"time/log_s": time.perf_counter() - t_log}, step=step)  # logging + checkpoint
         log.info("step %d: reward %.3f success %.3f (%.0fs)", step, metrics.get("rollout/reward_mean", 0.0),
                  metrics.get("rollout/success_rate", 0.0), metrics["time/step_s"])
     return finish(tracker, trainer, pool, metrics)
