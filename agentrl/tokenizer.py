@@ -54,7 +54,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency:
     if vocab_size < 256 + num_reserved:
         raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet plus {num_reserved} reserved tokens")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # One token per digit: a number then reads the same in a question, a tool call, a tool's result and an answer
+    # (merged BPE digits split " 77" and "77" differently), so copying a number is copying digits.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=SPECIAL_TOKENS + PROTOCOL_TOKENS,
