@@ -90,6 +90,22 @@ def kimi_linear() -> tuple[torch.nn.Module, int, int]:
 
 
 # --- timing -------------------------------------------------------------------------------------------------------
+def median_seconds(fn, repeats: int, after_warmup=None) -> float:
+    """Median seconds of `fn` over `repeats` synchronized calls, after one warm-up call (then `after_warmup()`)."""
+    fn()
+    torch.cuda.synchronize()
+    if after_warmup is not None:
+        after_warmup()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def step_time(model, loss_fn, tokens: int, repeats: int = 3) -> float:
     """Median seconds of one fwd+bwd on one sequence of `tokens` tokens, after a warm-up step."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
@@ -98,15 +114,7 @@ def step_time(model, loss_fn, tokens: int, repeats: int = 3) -> float:
         loss_fn(model, ids).backward()
         model.zero_grad(set_to_none=True)
 
-    step()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(step, repeats)
 
 
 def measure(model, loss_fn, tokens: int, active: int, repeats: int = 3) -> tuple[str, str, str]:
@@ -166,12 +174,13 @@ def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> Non
     ratio_rows = []
     if ours is None:
         return
+    def num(s):
+        try:
+            return float(s.replace(",", ""))
+        except (ValueError, AttributeError):
+            return None
+
     for tokens in tokens_list:
-        def num(s):
-            try:
-                return float(s.replace(",", ""))
-            except (ValueError, AttributeError):
-                return None
         others = [num(results[n][tokens]) for n in results if not n.startswith("agentrl")]
         others = [o for o in others if o]
         if num(ours[tokens]) and others:
@@ -249,19 +258,8 @@ def _publish_rank(rank: int, port: int, queue) -> None:
     shard = flat.chunk(2)[rank].clone()
     gathered = torch.empty(shard.numel() * 2, dtype=flat.dtype, device="cuda")
 
-    def timed(fn, repeats=5, collective=True) -> float:
-        fn()
-        torch.cuda.synchronize()
-        if collective:
-            dist.barrier()
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def timed(fn, collective=True) -> float:
+        return median_seconds(fn, 5, after_warmup=dist.barrier if collective else None)
 
     def per_tensor():
         for t in state.values():
