@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentrl.model.config import preset_config  # noqa: E402
+from agentrl.net import free_port  # noqa: E402
 from agentrl.types import Trajectory  # noqa: E402
 
 WARMUP = 2
@@ -165,10 +165,7 @@ def main() -> None:
         run_all(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
                 int(os.environ["MASTER_PORT"]), args)
         return
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc, join=True)
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc, join=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agentrl.model import layers  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
+from agentrl.net import free_port  # noqa: E402
 
 PEAK_FLOPS = 990e12
 TOKENS = (4096, 32768, 131072)
@@ -289,11 +290,7 @@ def bench_publish() -> None:
     if torch.cuda.device_count() < 2:
         print("publish: needs 2 GPUs; skipped")
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_publish_rank, args=(r, port, queue)) for r in range(2)]

@@ -15,7 +15,6 @@ constructor. With GPUs, Ray gives each actor one device (CUDA_VISIBLE_DEVICES), 
 from __future__ import annotations
 
 import dataclasses
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
     remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agentrl.net import free_port
 from agentrl.trainer.config import TrainerConfig
 
 PolicyTrainerActor = None  # ray.remote(PolicyTrainer), made on first use so that importing this needs no DeepSpeed
@@ -32,9 +32,7 @@ PolicyTrainerActor = None  # ray.remote(PolicyTrainer), made on first use so tha
 @ray.remote(num_cpus=0)
 def _rendezvous_address() -> tuple[str, int]:
     """Rank 0's node address and a port free there (imports nothing heavy: it runs before the ranks start)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port()
 
 
 @dataclass(kw_only=True)

@@ -33,7 +33,6 @@ import contextlib
 import copy
 import os
 import random
-import socket
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from agentrl.model.config import HybridMoEConfig
 from agentrl.model.expert_parallel import (
     ExpertParallelStats, apply_expert_parallel, expert_parameter_names, gather_full_experts)
 from agentrl.model.modeling import HybridMoEForCausalLM
+from agentrl.net import free_port
 from agentrl.trainer import zero
 from agentrl.trainer.batching import pack, plan_step
 from agentrl.trainer.config import TrainerConfig
@@ -56,12 +56,6 @@ from agentrl.trainer.publish import PublishedWeights, write_weights
 from agentrl.types import Trajectory
 
 CHECKPOINT_DIR = "checkpoints"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class PolicyTrainer:

@@ -7,7 +7,6 @@ are tests/unit/model/test_expert_parallel.py and tests/integration/test_trainer_
 """
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -18,16 +17,11 @@ import torch.multiprocessing as mp
 from agentrl.model.config import preset_config
 from agentrl.model.expert_parallel import apply_expert_parallel
 from agentrl.model.moe import SparseMoE
+from agentrl.net import free_port
 from agentrl.types import Trajectory
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
 TOKENS = 4099  # odd, so the ranks' slices differ in length
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -79,7 +73,7 @@ def _layer_rank(rank: int, world: int, port: int) -> None:
 
 def test_expert_parallel_layer_on_nccl_matches_one_gpu():
     world = min(torch.cuda.device_count(), 8)
-    mp.spawn(_layer_rank, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_layer_rank, args=(world, free_port()), nprocs=world, join=True)
 
 
 def _batch(step: int, vocab: int) -> list[Trajectory]:
@@ -118,7 +112,7 @@ def test_trainer_step_with_experts_over_all_gpus_matches_data_parallel(tmp_path)
     for ep in (1, world):
         out = str(tmp_path / f"ep{ep}" / "metrics.pt")
         os.makedirs(os.path.dirname(out))
-        mp.spawn(_trainer_rank, args=(world, _free_port(), ep, out), nprocs=world, join=True)
+        mp.spawn(_trainer_rank, args=(world, free_port(), ep, out), nprocs=world, join=True)
         results[ep] = torch.load(out, weights_only=False)
     for dp, ep in zip(results[1], results[world]):
         assert ep["loss"] == pytest.approx(dp["loss"], rel=2e-2, abs=2e-3)

@@ -101,7 +101,7 @@ def _zero3_rank(rank: int, world_size: int, port: int, run_dir: str, results) ->
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_zero3_over_two_gpus_trains_as_one_batch(tmp_path):
     from agentrl.trainer import TrainerConfig
-    from agentrl.trainer.policy_trainer import free_port
+    from agentrl.net import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

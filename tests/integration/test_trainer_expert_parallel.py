@@ -11,6 +11,7 @@ import torch
 
 from agentrl.model.checkpoint import load_checkpoint_tensors
 from agentrl.model.modeling import HybridMoEForCausalLM
+from agentrl.net import free_port
 from agentrl.trainer import create_trainer_group
 from agentrl.trainer.expert_checkpoint import MODEL_DIR
 from agentrl.trainer.publish import state_dict_checksums
@@ -133,15 +134,11 @@ def test_four_ranks_average_expert_gradients_over_the_expert_data_parallel_group
     """4 ranks, experts in 2 shards: each shard's gradient is averaged over the 2 ranks that hold it (DeepSpeed's
     expert-data-parallel group), the step still equals the data-parallel one, also with ZeRO's gradient reductions
     interleaved with the all-to-alls of the backward pass. Spawned processes, not Ray actors."""
-    import socket
-
     import torch.multiprocessing as mp
 
     results = {}
     for ep in (1, 2):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         out = tmp_path / f"ep{ep}.pt"
         mp.spawn(_spawned_rank, args=(4, port, ep, str(tmp_path / f"run{ep}"), model_dir, str(out)), nprocs=4)
         results[ep] = torch.load(out, weights_only=False)

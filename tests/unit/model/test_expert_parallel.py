@@ -7,7 +7,6 @@ inside the ranks; a failure surfaces as the spawn's ProcessRaisedException.
 """
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,19 +17,14 @@ from agentrl.model.config import preset_config
 from agentrl.model.expert_parallel import (
     ExpertParallelStats, all_to_all, apply_expert_parallel, gather_full_experts)
 from agentrl.model.moe import SparseMoE
+from agentrl.net import free_port
 
 TOKENS = 61
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32 sums in a different order
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
 def _join(rank: int, world: int, port: int) -> None:
