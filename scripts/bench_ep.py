@@ -104,8 +104,9 @@ def bench_one(args, ep: int, rank: int, world: int, local_rank: int, port: int) 
         start = time.perf_counter()
         trainer.full_state_dict()
         gather_s = time.perf_counter() - start
-        gather = torch.tensor([gather_s], dtype=torch.float64)
+        gather = torch.tensor([gather_s], dtype=torch.float64, device=trainer.device)  # NCCL reduces GPU tensors
         dist.all_reduce(gather, op=dist.ReduceOp.MAX)
+        gather_s = gather.item()
         del trainer
     if rank != 0:
         return None
@@ -118,7 +119,7 @@ def bench_one(args, ep: int, rank: int, world: int, local_rank: int, port: int) 
             "rows_sent": mean("ep/rows_sent_frac") if ep > 1 else 0.0,
             "qb_expert": last.get("expert_load_max_over_mean", float("nan")),
             "qb_rank": last.get("ep/rank_load_max_over_mean", float("nan")) if ep > 1 else 1.0,
-            "gather_s": float(gather[0]), "tokens/step": mean("packed_tokens")}
+            "gather_s": gather_s, "tokens/step": mean("packed_tokens")}
 
 
 def print_table(results: list[dict], args, world: int) -> None:
