@@ -47,6 +47,7 @@ class HybridMoEConfig(PretrainedConfig):
         activation_situ_beta: float | None = None,
         activation_situ_linear_beta: float | None = None,
         initializer_range: float = 0.02,
+        embedding_init_std: float | None = None,
         rms_norm_eps: float = 1e-5,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
@@ -102,6 +103,8 @@ class HybridMoEConfig(PretrainedConfig):
         self.activation_situ_beta = activation_situ_beta
         self.activation_situ_linear_beta = activation_situ_linear_beta
         self.initializer_range = initializer_range
+        # None: the token embeddings start at initializer_range like every other matrix
+        self.embedding_init_std = embedding_init_std
         self.rms_norm_eps = rms_norm_eps
         self.use_cache = use_cache
         self.q_lora_rank = q_lora_rank
@@ -191,6 +194,10 @@ class HybridMoEConfig(PretrainedConfig):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise bad(field, value, "must be a positive integer")
+        if not self.initializer_range > 0:
+            raise bad("initializer_range", self.initializer_range, "must be > 0")
+        if self.embedding_init_std is not None and not self.embedding_init_std > 0:
+            raise bad("embedding_init_std", self.embedding_init_std, "must be None (initializer_range) or > 0")
         if self.qk_rope_head_dim < 0:
             raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "must be >= 0")
         if self.hidden_act not in ACTIVATIONS:

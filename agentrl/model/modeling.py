@@ -142,7 +142,9 @@ class HybridMoEPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, nn.Embedding) and self.config.embedding_init_std is not None:
+            module.weight.normal_(0.0, self.config.embedding_init_std)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
             if getattr(module, "_zero_init", False):
                 module.weight.zero_()
             else:

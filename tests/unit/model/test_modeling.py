@@ -160,6 +160,8 @@ def test_small_presets_have_the_advertised_sizes():
     ("linear_attn_config", dict(gate_lower_bound=-7.0), "gate_lower_bound"),
     ("linear_attn_config", dict(kda_layers=[1, 2]), "partition"),
     ("mla_use_nope", False, "NoPE"),
+    ("initializer_range", 0.0, "initializer_range"),
+    ("embedding_init_std", -1.0, "embedding_init_std"),
 ])
 def test_config_errors_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -203,3 +205,12 @@ def test_tiny_model_overfits_a_small_batch():
         model.update_expert_bias()
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0], losses[::10]
+
+
+def test_embedding_init_std_sets_the_embeddings_alone():
+    default = tiny_model()
+    assert default.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    wide = tiny_model(initializer_range=0.125, embedding_init_std=1.0)
+    assert wide.model.embed_tokens.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    assert wide.lm_head.weight.std().item() == pytest.approx(0.125, rel=0.05)
+    assert wide.config.to_dict()["embedding_init_std"] == 1.0  # saved with the checkpoint's config
