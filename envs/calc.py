@@ -1,6 +1,8 @@
 """Calc-v0: arithmetic word problems solved with a ``calculate`` tool (the safe evaluator in ``calculator``).
 
 Tasks come from eight templates with random names and numbers (``generate_tasks``, deterministic in its seed).
+Difficulty knobs: ``kinds`` (which templates) and ``max_operand`` (the largest random operand; 9 makes every operand a
+single digit, so a small model's warm start only has to copy one token per number).
 Reward: ``correct`` = 1 if the answer's number is within 1e-4 relative tolerance of the gold value.
 Oracle: one ``calculate`` call with the gold expression, then the result as the answer.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from agentrl.envs.calculator import ExpressionError, evaluate, format_number
 from agentrl.envs.errors import ToolError
@@ -24,11 +26,14 @@ _NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo",
 _ITEMS = ["apple", "pencil", "marble", "sticker", "card", "book"]
 
 
-def _template(rng: random.Random) -> tuple[str, str]:
+NUM_KINDS = 8
+
+
+def _template(rng: random.Random, kinds: Sequence[int], max_operand: int) -> tuple[str, str]:
     """(question, expression) for one random problem."""
     n, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    a, b, c, d = (rng.randint(2, 99) for _ in range(4))
-    kind = rng.randrange(8)
+    a, b, c, d = (rng.randint(2, max_operand) for _ in range(4))
+    kind = rng.choice(kinds)
     if kind == 0:
         c = rng.randint(1, a * b)
         return f"{n} buys {a} packs of {b} {item}s and gives away {c}. How many {item}s are left?", f"{a} * {b} - {c}"
@@ -57,15 +62,24 @@ def _template(rng: random.Random) -> tuple[str, str]:
             "in total?", f"{a} * {b % 12 + 1} * {c % 30 + 1}")
 
 
-def generate_tasks(num_tasks: int = 1000, seed: int = 0) -> datasets.Dataset:
-    """Columns: id, question, expression (the gold computation), answer (float)."""
+def generate_tasks(num_tasks: int = 1000, seed: int = 0, *, kinds: Sequence[int] | None = None,
+                   max_operand: int = 99) -> datasets.Dataset:
+    """Columns: id, question, expression (the gold computation), answer (float).
+
+    kinds: the templates to draw from (0..7; None: all); max_operand: the largest random operand (>= 2).
+    """
     import datasets
 
     if num_tasks <= 0:
         raise ValueError(f"num_tasks must be > 0, got {num_tasks!r}")
+    kinds = list(range(NUM_KINDS)) if kinds is None else list(kinds)
+    if not kinds or any(not isinstance(k, int) or not 0 <= k < NUM_KINDS for k in kinds):
+        raise ValueError(f"kinds={kinds!r} must be a non-empty list of template numbers 0..{NUM_KINDS - 1}")
+    if not isinstance(max_operand, int) or max_operand < 2:
+        raise ValueError(f"max_operand={max_operand!r} must be an integer >= 2")
     rows = []
     for i in range(num_tasks):
-        question, expression = _template(random.Random(f"calc:{seed}:{i}"))
+        question, expression = _template(random.Random(f"calc:{seed}:{i}"), kinds, max_operand)
         rows.append({"id": f"calc-{seed}-{i}", "question": question, "expression": expression,
                      "answer": float(evaluate(expression))})
     return datasets.Dataset.from_list(rows)
@@ -77,9 +91,10 @@ class CalcEnv(ToolEnv):
     instructions = "Use the calculate tool for arithmetic; answer with just the number."
 
     def __init__(self, tasks: Any = None, *, num_tasks: int = 1000, task_seed: int = 0, max_turns: int = 8,
-                 **kwargs: Any) -> None:
-        super().__init__(generate_tasks(num_tasks, task_seed) if tasks is None else tasks, max_turns=max_turns,
-                         **kwargs)
+                 kinds: Sequence[int] | None = None, max_operand: int = 99, **kwargs: Any) -> None:
+        if tasks is None:
+            tasks = generate_tasks(num_tasks, task_seed, kinds=kinds, max_operand=max_operand)
+        super().__init__(tasks, max_turns=max_turns, **kwargs)
 
     @tool
     def calculate(self, expression: str) -> str:

@@ -119,3 +119,20 @@ def test_python_exec_hides_a_task_set_loaded_from_disk_from_the_code():
         obs, *_ = env.step(f"<tool_call>{json.dumps({'name': 'run_python', 'arguments': {'code': code}})}"
                            "</tool_call>")
         assert "stdout:\n[]" in obs
+
+
+def test_calc_difficulty_knobs_pick_templates_and_operand_sizes():
+    from agentrl.envs import calc
+
+    easy = calc.generate_tasks(200, kinds=[5], max_operand=9)
+    assert all(q.startswith("What is the average of") for q in easy["question"])
+    operands = [int(n) for e in easy["expression"] for n in e.replace("(", " ").replace(")", " ").split()
+                if n.isdigit() and n != "4"]  # "/ 4" is the template's, not an operand
+    assert operands and all(2 <= n <= 9 for n in operands)
+    # the defaults draw the same tasks as before the knobs existed
+    assert calc.generate_tasks(3)["expression"] == calc.generate_tasks(3, kinds=range(8), max_operand=99)["expression"]
+    env = make("Calc-v0", num_tasks=5, kinds=[0, 3], max_operand=9)
+    assert all(t["expression"].count("**") + t["expression"].count("-") >= 1 for t in env.tasks)
+    for bad in ({"kinds": []}, {"kinds": [8]}, {"max_operand": 1}):
+        with pytest.raises(ValueError, match="kinds|max_operand"):
+            calc.generate_tasks(3, **bad)
