@@ -111,6 +111,7 @@ class AlgorithmConfig:
     steps: int = 20  # RL steps
     mode: str = "sync"  # "sync": rollout then train; "async": the next rollout runs while the trainer trains
     max_staleness: int = 1  # a batch may be sampled by a policy at most this many versions old
+    skip_uniform_groups: bool = True  # train on no group whose rewards are all equal (zero advantage; DAPO)
     sft_steps: int = 0  # warm start: SFT steps on oracle trajectories before RL
     sft_batch_episodes: int = 32
     sft_lr: float | None = None  # None: the trainer's lr
@@ -123,6 +124,8 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.mode={self.mode!r} must be 'sync' or 'async'")
         if self.steps < 0 or self.sft_steps < 0 or self.max_staleness < 0:
             raise ValueError("algorithm.steps, sft_steps and max_staleness must be >= 0")
+        if self.sft_lr is not None and not self.sft_lr > 0:
+            raise ValueError(f"algorithm.sft_lr={self.sft_lr!r} must be > 0 (or null: the trainer's lr)")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("algorithm.mode='async' trains on rollouts one version old: max_staleness must be >= 1")
         starts = [s.start_step for s in self.context_schedule]

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.config import JobConfig
+from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
 from agentrl.tracking import Tracker
@@ -86,10 +87,11 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
                                                 job.algorithm.max_staleness))
         if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
             in_flight = submit_rollout(step + 1)
+        trainable, uniform = select_trainable(job, batch)
         t_train = time.perf_counter()
-        train = on_all(trainer, "step", batch.trajectories) if batch else {}                # train
+        train = on_all(trainer, "step", trainable) if trainable else {}                     # train
         train_s = time.perf_counter() - t_train
-        if batch:
+        if trainable:
             weights = on_all(trainer, "publish_weights")                                    # publish
             t_sync = time.perf_counter()
             pool.update_weights(weights.path, weights.version)                              # sync
@@ -100,6 +102,7 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
         if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
             in_flight = submit_rollout(step)
         metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
+                   "train/uniform_groups": uniform,
                    **{f"store/{k}": v for k, v in ray.get(store.stats.remote()).items()},
                    "policy_version": weights.version, "context/max_trajectory_tokens": limit,
                    "time/rollout_s": rollout_s, "time/train_s": train_s, "time/sync_s": sync_s,
@@ -131,6 +134,15 @@ def connect(job: JobConfig) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def select_trainable(job: JobConfig, batch) -> tuple[list[Trajectory], int]:
+    """The batch's trajectories to train on, and how many of its groups were left out for equal rewards."""
+    if batch is None:
+        return [], 0
+    if not job.algorithm.skip_uniform_groups:
+        return batch.trajectories, 0
+    return drop_uniform_groups(batch.trajectories)
 
 
 def on_all(group, method: str, *args):
@@ -252,6 +264,8 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker):
     env = make(job.env.id, **job.env.kwargs)
     rng = random.Random(job.seed)
     sft = LossConfig(kind="sft")
+    if job.algorithm.sft_lr is not None:
+        on_all(trainer, "set_lr", job.algorithm.sft_lr)
     for step in range(job.algorithm.sft_steps):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(job.algorithm.sft_batch_episodes)]
         batch = [oracle_trajectory(env, tokenizer, env_id=job.env.id, task_index=i, seed=i,
@@ -260,6 +274,8 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker):
         tracker.log_metrics({f"sft/{k}": v for k, v in metrics.items()}, step=step)
         if step % 10 == 0 or step + 1 == job.algorithm.sft_steps:
             log.info("sft step %d/%d: loss %.3f", step + 1, job.algorithm.sft_steps, metrics.get("loss", 0.0))
+    if job.algorithm.sft_lr is not None:
+        on_all(trainer, "set_lr", job.trainer.lr)
     return on_all(trainer, "publish_weights")
 
 

@@ -127,3 +127,23 @@ def group_advantages(rewards: Sequence[float], statuses: Sequence[str], *, norma
     mean = math.fsum(kept) / len(kept)
     scale = statistics.pstdev(kept) + eps if normalize_std else 1.0
     return [None if s == FAILED else (float(r) - mean) / scale for r, s in zip(rewards, statuses)]
+
+
+def drop_uniform_groups(trajectories: Sequence[Any]) -> tuple[list[Any], int]:
+    """The trajectories of groups whose scored rewards differ, and how many groups were left out.
+
+    In a group whose (non-failed) members all got the same reward every advantage is zero: the policy-gradient term
+    is zero, yet an optimizer step on it still moves the weights (Adam's momentum, weight decay) and dilutes a
+    token-mean loss. DAPO's dynamic sampling drops such groups; so does the driver (`algorithm.skip_uniform_groups`).
+    """
+    groups: dict[str, list[Any]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    kept, dropped = [], 0
+    for members in groups.values():
+        rewards = {float(t.reward) for t in members if t.status.value != FAILED}
+        if len(rewards) > 1:
+            kept.extend(members)
+        else:
+            dropped += 1
+    return kept, dropped

@@ -177,6 +177,16 @@ class PolicyTrainer:
             metrics.update(self._expert_parallel_metrics(totals))
         return metrics
 
+    def set_lr(self, lr: float) -> None:
+        """The base learning rate from the next step on (the warm-up factor still applies): SFT's, then RL's."""
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        scheduler = self.engine.lr_scheduler
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] = lr * factor
+
     @torch.no_grad()
     def logprobs(self, trajectories: Sequence[Trajectory], *, routing_replay: bool = False) -> list[np.ndarray]:
         """The current policy's log-prob of each token given the previous ones (index 0 is 0.0), per trajectory.

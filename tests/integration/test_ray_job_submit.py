@@ -47,6 +47,7 @@ def test_a_short_job_submitted_with_ray_job_submit_succeeds(tmp_path, ray_cluste
     address, env = ray_cluster
     run_dir = tmp_path / "job"
     overrides = [f"run_dir={run_dir}", "algorithm.steps=1", "algorithm.sft_steps=1", "algorithm.sft_batch_episodes=2",
+                 "algorithm.skip_uniform_groups=false",
                  "rollout.group_size=2", "rollout.groups_per_step=1", "env.eval_tasks=1", "algorithm.eval_every=0",
                  "rollout.max_tokens_per_turn=16"]
     env = {**env, "RAY_ADDRESS": address, "RAY": os.path.join(os.path.dirname(sys.executable), "ray")}

@@ -33,7 +33,13 @@ def test_sft_warm_start_lowers_the_nll_of_the_masked_tokens_only(model_dir, tmp_
         history = [first["nll"]] + [trainer.step(batch, sft)["nll"] for _ in range(24)]
         assert history[-1] < 0.5 * history[0], history
         assert trainer.version == 25
+        # the driver's warm start trains at algorithm.sft_lr, then hands RL the trainer's lr
+        assert first["lr"] == pytest.approx(3e-3)
+        trainer.set_lr(1e-3)
+        assert trainer.step(batch, sft)["lr"] == pytest.approx(1e-3)
+        with pytest.raises(ValueError, match="lr"):
+            trainer.set_lr(0.0)
         published = trainer.publish_weights()
-        assert published.version == 25 and published.path.endswith("weights/v25")
+        assert published.version == 26 and published.path.endswith("weights/v26")
     finally:
         trainer.close()

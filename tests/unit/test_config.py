@@ -23,6 +23,7 @@ def test_quickstart_config_loads_with_overrides_and_ties_the_trainer_to_the_job(
     ("env.eval_tasks=5000", "env.eval_tasks"),
     ("model.preset=gpt5", "model.preset"),
     ("cluster.placement=anywhere", "cluster.placement"),
+    ("algorithm.sft_lr=0", "algorithm.sft_lr"),
 ])
 def test_bad_configs_fail_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -45,3 +46,21 @@ def test_context_schedule_picks_the_stage_in_force():
     with pytest.raises(ConfigError, match="increase"):
         load_config(None, ["algorithm.context_schedule=[{start_step: 5, max_trajectory_tokens: 1},"
                            "{start_step: 1, max_trajectory_tokens: 2}]"])
+
+
+def test_the_driver_trains_only_on_groups_with_a_reward_spread():
+    from agentrl.driver import select_trainable
+    from agentrl.store import Batch
+    from agentrl.types import Trajectory
+
+    def traj(group: str, reward: float) -> Trajectory:
+        return Trajectory(trajectory_id=f"{group}{reward}", task_id=group, group_id=group, env_id="toy", reward=reward)
+
+    batch = Batch(index=0, trajectories=[traj("a", 0.0), traj("a", 1.0), traj("b", 0.0), traj("b", 0.0)],
+                  group_ids=["a", "b"], max_lag=0)
+    job, _ = load_config("configs/quickstart.yaml")
+    assert job.algorithm.skip_uniform_groups
+    assert select_trainable(job, batch) == (batch.trajectories[:2], 1)
+    job, _ = load_config("configs/quickstart.yaml", ["algorithm.skip_uniform_groups=false"])
+    assert select_trainable(job, batch) == (batch.trajectories, 0)
+    assert select_trainable(job, None) == ([], 0)

@@ -89,3 +89,24 @@ def test_group_advantages_edge_cases():
     assert all(math.isfinite(a) for a in group_advantages([1.0, 1.0], ["completed"] * 2, normalize_std=True))
     with pytest.raises(ValueError, match="2 rewards but 1 statuses"):
         group_advantages([1.0, 0.0], ["completed"])
+
+
+def test_drop_uniform_groups_keeps_only_groups_with_a_reward_spread():
+    from agentrl.reward import drop_uniform_groups
+    from agentrl.types import Status, Trajectory
+
+    def traj(group: str, reward: float, status: Status = Status.COMPLETED) -> Trajectory:
+        t = Trajectory(trajectory_id=f"{group}-{reward}-{status.value}", task_id=group, group_id=group,
+                       env_id="toy", reward=reward)
+        t.status = status
+        return t
+
+    spread = [traj("a", 0.0), traj("a", 1.0)]
+    all_zero = [traj("b", 0.0), traj("b", 0.0)]
+    # a failed member's reward does not count: the scored members agree, so no advantage is non-zero
+    failed_differs = [traj("c", 1.0), traj("c", 0.0, Status.FAILED)]
+    truncated_differs = [traj("d", 0.0, Status.TRUNCATED), traj("d", 0.5)]
+    kept, dropped = drop_uniform_groups(spread + all_zero + failed_differs + truncated_differs)
+    assert kept == spread + truncated_differs
+    assert dropped == 2
+    assert drop_uniform_groups([]) == ([], 0)
