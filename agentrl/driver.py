@@ -276,6 +276,7 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker):
             log.info("sft step %d/%d: loss %.3f", step + 1, job.algorithm.sft_steps, metrics.get("loss", 0.0))
     if job.algorithm.sft_lr is not None:
         on_all(trainer, "set_lr", job.trainer.lr)
+    on_all(trainer, "reset_reference")  # RL's KL term (kl_coef > 0) anchors to the warm-started policy
     return on_all(trainer, "publish_weights")
 
 

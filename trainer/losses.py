@@ -69,7 +69,8 @@ class LossConfig:
         old_logprobs: "current" (π_old = the pre-step trainer policy) or "inference" (the recorded behaviour policy).
         tis_cap: C of truncated importance sampling against the inference log-probs (None: off).
         icepop_band: (lo, hi): drop tokens whose π_train/π_infer is outside; (1/β, β) in IcePop's terms (None: off).
-        kl_coef: weight of the k3 KL to the reference policy (the initial weights); 0 keeps no reference model.
+        kl_coef: weight of the k3 KL to the reference policy (the initial weights, or the warm-started ones after an
+            SFT warm start: PolicyTrainer.reset_reference); 0 keeps no reference model.
         entropy_coef: weight of the entropy bonus.
     """
 

@@ -177,6 +177,20 @@ class PolicyTrainer:
             metrics.update(self._expert_parallel_metrics(totals))
         return metrics
 
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """The KL term's reference becomes the current policy. After a warm start RL's KL then anchors to the SFT
+        policy, not to the weights the trainer was built with. Collective under ZeRO-3 (no-op without kl_coef)."""
+        if self.reference is None:
+            return
+        reference = self.reference.policy  # sharded like the policy under expert parallelism: same local names
+        ref_params = dict(reference.named_parameters())
+        for name, p in zero.full_parameters(self.policy, zero_stage=self.config.zero_stage):
+            ref_params[name].copy_(p.detach())
+        ref_buffers = dict(reference.named_buffers())
+        for name, b in self.policy.named_buffers():  # the routers' Quantile Balancing biases
+            ref_buffers[name].copy_(b)
+
     def set_lr(self, lr: float) -> None:
         """The base learning rate from the next step on (the warm-up factor still applies): SFT's, then RL's."""
         if not lr > 0:
@@ -289,9 +303,7 @@ class PolicyTrainer:
 
     def close(self) -> None:
         """Leaves the process group (the engine is unusable afterwards)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        zero.destroy_process_group()
 
     # --- internals ------------------------------------------------------------------------------------------------
     def _shard_experts(self) -> None:

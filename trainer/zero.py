@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
+import deepspeed.comm  # noqa: E402
 import deepspeed.ops  # noqa: E402
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
@@ -66,6 +68,14 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
         return dist.get_backend()
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return backend
+
+
+def destroy_process_group() -> None:
+    """Leaves the group through DeepSpeed, which also drops the groups it cached (a later trainer in the same process
+    would otherwise broadcast over a destroyed group)."""
+    if dist.is_initialized():
+        dist.barrier()
+        deepspeed.comm.destroy_process_group()
 
 
 def engine_config(*, zero_stage: int, bf16: bool, grad_clip: float, zero3_param_persistence_threshold: int) -> dict:
@@ -150,6 +160,16 @@ def _param_groups(module: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
     return list(groups.values())
 
 
+def full_parameters(module: nn.Module, *, zero_stage: int) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) with the full value readable while it is yielded: under ZeRO-3 one decoder layer is gathered
+    at a time, on every rank. Collective under ZeRO-3: every rank must run through it to the end."""
+    for group in _param_groups(module):
+        context = (deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None)
+                   if zero_stage == 3 else contextlib.nullcontext())
+        with context:
+            yield from group
+
+
 def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
     """The module's full state dict on CPU on rank 0 (None elsewhere). Collective under ZeRO-3: every rank calls.
 
@@ -161,11 +181,9 @@ def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[
             return None
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     params: dict[str, torch.Tensor] = {}
-    for group in _param_groups(module):
-        with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
-            if rank == 0:
-                for name, p in group:
-                    params[name] = p.detach().cpu().clone()
+    for name, p in full_parameters(module, zero_stage=zero_stage):
+        if rank == 0:
+            params[name] = p.detach().cpu().clone()
     if rank != 0:
         return None
     buffers = dict(module.named_buffers())
@@ -178,13 +196,9 @@ def replica_digest(module: nn.Module, *, zero_stage: int, replace: dict[str, tor
     `replace` substitutes parameters by name (the gathered full experts under expert parallelism)."""
     digest = hashlib.sha256()
     replace = replace or {}
-    for group in _param_groups(module):
-        context = (deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None)
-                   if zero_stage == 3 else contextlib.nullcontext())
-        with context:
-            for name, p in group:
-                digest.update(name.encode())
-                digest.update(replace.get(name, p).detach().float().cpu().numpy().tobytes())
+    for name, p in full_parameters(module, zero_stage=zero_stage):
+        digest.update(name.encode())
+        digest.update(replace.get(name, p).detach().float().cpu().numpy().tobytes())
     for name, b in module.named_buffers():
         digest.update(name.encode())
         digest.update(b.detach().float().cpu().numpy().tobytes())

@@ -43,3 +43,22 @@ def test_sft_warm_start_lowers_the_nll_of_the_masked_tokens_only(model_dir, tmp_
         assert published.version == 26 and published.path.endswith("weights/v26")
     finally:
         trainer.close()
+
+
+def test_after_a_warm_start_the_kl_reference_is_the_warm_started_policy(model_dir, tmp_path):  # noqa: F811
+    cfg = TrainerConfig(run_dir=str(tmp_path), zero_stage=2, lr=3e-3, micro_batch_tokens=128, num_threads=1,
+                        gradient_checkpointing=False, loss=LossConfig(kl_coef=0.1))
+    trainer = PolicyTrainer(cfg, model_dir)
+    try:
+        batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
+        for t in batch:
+            t.reward = float(int(t.trajectory_id[1:]) % 2)
+            t.group_id = "g"  # one GRPO group with a reward spread
+        assert trainer.step(batch)["kl"] == pytest.approx(0.0, abs=1e-6)  # still the initial weights
+        for _ in range(5):
+            trainer.step(batch, LossConfig(kind="sft"))
+        assert trainer.step(batch)["kl"] > 1e-3  # measured against the initial weights, far from the SFT policy
+        trainer.reset_reference()
+        assert trainer.step(batch)["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy again
+    finally:
+        trainer.close()
