@@ -18,10 +18,12 @@ import sys
 
 
 def _load(args):
-    from agentrl.config import ConfigError, load_config
+    from agentrl.config import ConfigError, check_env, load_config
 
     try:
-        return load_config(args.config, args.overrides)
+        job, resolved = load_config(args.config, args.overrides)
+        check_env(job)
+        return job, resolved
     except ConfigError as exc:
         sys.exit(f"agentrl: bad config: {exc}")
 

@@ -207,5 +207,21 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     return job, merged
 
 
+def check_env(job: JobConfig) -> None:
+    """Builds the job's environment once, before any actor starts: its kwargs must be accepted and it must hold the
+    `env.num_tasks` tasks the job samples from (ConfigError naming the key otherwise)."""
+    from agentrl.envs import make
+
+    try:
+        env = make(job.env.id, **job.env.kwargs)
+    except Exception as exc:  # an unknown id, a module that fails to import, kwargs the env refuses
+        raise ConfigError(f"env.id={job.env.id!r} with env.kwargs={job.env.kwargs!r}: {_first_line(exc)}") from None
+    available = len(env.tasks)
+    env.close()
+    if job.env.num_tasks > available:
+        raise ConfigError(f"env.num_tasks={job.env.num_tasks} but {job.env.id} holds {available} tasks "
+                          f"(a generated env takes its task count in env.kwargs, e.g. env.kwargs.num_tasks)")
+
+
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0]

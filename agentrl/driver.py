@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl.config import JobConfig
+from agentrl.config import JobConfig, check_env
 from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
@@ -41,6 +41,7 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     from agentrl.store import TrajectoryStoreActor
     from agentrl.trainer.actor import create_trainer_group
 
+    check_env(job)  # a bad env setting fails here, before any actor starts
     connect(job)
     tracker = Tracker(job.tracking, job.run_dir)
     if resolved is not None:

@@ -64,3 +64,16 @@ def test_the_driver_trains_only_on_groups_with_a_reward_spread():
     job, _ = load_config("configs/quickstart.yaml", ["algorithm.skip_uniform_groups=false"])
     assert select_trainable(job, batch) == (batch.trajectories, 0)
     assert select_trainable(job, None) == ([], 0)
+
+
+def test_env_settings_are_checked_against_the_env_before_any_actor_starts():
+    from agentrl.config import check_env
+
+    check_env(load_config("configs/quickstart.yaml")[0])
+    with pytest.raises(ConfigError, match=r"env\.num_tasks=20000 but agentrl/Calc-v0 holds 1000 tasks"):
+        check_env(load_config("configs/quickstart.yaml", ["env.num_tasks=20000"])[0])
+    check_env(load_config("configs/quickstart.yaml", ["env.num_tasks=2000", "env.kwargs.num_tasks=2000"])[0])
+    with pytest.raises(ConfigError, match=r"env\.kwargs=.*max_operand=1 must be an integer >= 2"):
+        check_env(load_config("configs/quickstart.yaml", ["env.kwargs.max_operand=1"])[0])
+    with pytest.raises(ConfigError, match=r"env\.id='agentrl/Nope-v0'.*no environment registered"):
+        check_env(load_config("configs/quickstart.yaml", ["env.id=agentrl/Nope-v0"])[0])
