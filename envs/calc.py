@@ -27,6 +27,7 @@ _ITEMS = ["apple", "pencil", "marble", "sticker", "card", "book"]
 
 
 NUM_KINDS = 8
+_MAX_DRAWS = 1000
 
 
 def _template(rng: random.Random, kinds: Sequence[int], max_operand: int) -> tuple[str, str]:
@@ -66,7 +67,8 @@ def generate_tasks(num_tasks: int = 1000, seed: int = 0, *, kinds: Sequence[int]
                    max_operand: int = 99) -> datasets.Dataset:
     """Columns: id, question, expression (the gold computation), answer (float).
 
-    kinds: the templates to draw from (0..7; None: all); max_operand: the largest random operand (>= 2).
+    kinds: the templates to draw from (0..7; None: all); max_operand: the largest random operand (>= 2). Every task's
+    expression is distinct, so the last tasks, held out for evaluation, are problems the training tasks never pose.
     """
     import datasets
 
@@ -77,9 +79,17 @@ def generate_tasks(num_tasks: int = 1000, seed: int = 0, *, kinds: Sequence[int]
         raise ValueError(f"kinds={kinds!r} must be a non-empty list of template numbers 0..{NUM_KINDS - 1}")
     if not isinstance(max_operand, int) or max_operand < 2:
         raise ValueError(f"max_operand={max_operand!r} must be an integer >= 2")
-    rows = []
+    rows, seen = [], set()
     for i in range(num_tasks):
-        question, expression = _template(random.Random(f"calc:{seed}:{i}"), kinds, max_operand)
+        rng = random.Random(f"calc:{seed}:{i}")
+        for _ in range(_MAX_DRAWS):  # a problem already drawn is drawn again: held-out tasks are new problems
+            question, expression = _template(rng, kinds, max_operand)
+            if expression not in seen:
+                break
+        else:
+            raise ValueError(f"kinds={kinds}, max_operand={max_operand} hold fewer than num_tasks={num_tasks} "
+                             "distinct problems")
+        seen.add(expression)
         rows.append({"id": f"calc-{seed}-{i}", "question": question, "expression": expression,
                      "answer": float(evaluate(expression))})
     return datasets.Dataset.from_list(rows)

@@ -136,3 +136,12 @@ def test_calc_difficulty_knobs_pick_templates_and_operand_sizes():
     for bad in ({"kinds": []}, {"kinds": [8]}, {"max_operand": 1}):
         with pytest.raises(ValueError, match="kinds|max_operand"):
             calc.generate_tasks(3, **bad)
+
+
+def test_calc_tasks_are_distinct_problems_so_held_out_tasks_are_new():
+    from agentrl.envs import calc
+
+    tasks = calc.generate_tasks(1000, kinds=[0, 3], max_operand=9)  # a small problem space: draws repeat
+    assert len(set(tasks["expression"])) == 1000
+    with pytest.raises(ValueError, match="distinct problems"):
+        calc.generate_tasks(100, kinds=[5], max_operand=2)  # (2 + 2 + 2 + 2) / 4 is the only one
