@@ -33,8 +33,11 @@ def ray_cluster():
     # as with an activated virtualenv: the job's `python` (resolved on the cluster) is this interpreter
     env = {**os.environ, "RAY_AUTH_MODE": "token",
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    # every port its own: the job agent's http port defaults to 52365, and a Ray instance still alive on this machine
+    # (another test's, a user's job) holding it leaves the head without an agent ("No available agent to submit job")
     subprocess.run([ray_bin, "start", "--head", "--num-cpus", "2", "--disable-usage-stats", "--port",
-                    str(free_port()), "--dashboard-port", str(dashboard), "--temp-dir", temp_dir],
+                    str(free_port()), "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port",
+                    str(free_port()), "--dashboard-agent-grpc-port", str(free_port()), "--temp-dir", temp_dir],
                    check=True, env=env, capture_output=True, timeout=180)
     try:
         yield f"http://127.0.0.1:{dashboard}", env
