@@ -18,14 +18,9 @@ import sys
 
 
 def _load(args):
-    from agentrl.config import ConfigError, check_env, load_config
+    from agentrl.config import load_config
 
-    try:
-        job, resolved = load_config(args.config, args.overrides)
-        check_env(job)
-        return job, resolved
-    except ConfigError as exc:
-        sys.exit(f"agentrl: bad config: {exc}")
+    return load_config(args.config, args.overrides)
 
 
 def cmd_train(args) -> None:
@@ -172,10 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
+    from agentrl.config import ConfigError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("vllm", "ray", "mlflow", "deepspeed", "datasets", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except ConfigError as exc:  # from loading the config, or the driver's checks before any actor starts
+        sys.exit(f"agentrl: bad config: {exc}")
 
 
 if __name__ == "__main__":

@@ -285,6 +285,7 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
     """`agentrl eval`: one rollout worker on `checkpoint`, greedy, over the held-out tasks."""
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
 
+    check_env(job)
     connect(job)
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus), 1,
                        (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),
