@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from agentrl.model.cache import MLAState
 from agentrl.model.config import HybridMoEConfig
@@ -25,10 +26,24 @@ from agentrl.model.layers import RMSNorm, sequence_ids
 # (each its own causal SDPA) is cheaper.
 _MAX_MASKED_TOKENS = 1024
 
+# SDPA backends for training attention: every one but cuDNN, torch 2.11's first choice on Hopper. Its backward failed
+# on H200 (an illegal memory access mid-run, NaN gradients in bf16) on a packed micro-batch of 14 sequences of
+# 127-511 tokens after other shapes had run in the process, and not when that micro-batch ran alone: see
+# docs/benchmarks.md (issue 8). The memory-efficient kernel runs instead (flash needs equal q and v head dims); its
+# fwd+bwd is 2.7-3.9x slower than cuDNN's on sequences of 4K-128K tokens, measured there too.
+_TRAIN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 def varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
                             cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention of packed sequences (no attention across sequences) via SDPA. Returns [T, H, V]."""
+    """Causal softmax attention of packed sequences (no attention across sequences) via SDPA, never its cuDNN
+    backend (see _TRAIN_BACKENDS). Returns [T, H, V]."""
+    with sdpa_kernel(_TRAIN_BACKENDS):
+        return _varlen_causal_attention(q_THE, k_THE, v_THV, cu_seqlens, scale)
+
+
+def _varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
+                             cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     num_tokens = q_THE.shape[0]
     num_seqs = cu_seqlens.numel() - 1
     q, k, v = (t.transpose(0, 1)[None] for t in (q_THE, k_THE, v_THV))  # [1, H, T, *]

@@ -1,5 +1,6 @@
 """Building blocks against naive references: short convolution with carried state, varlen attention, AttnRes."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -35,18 +36,26 @@ def test_short_conv_matches_conv1d_per_sequence_with_state():
                                    rtol=1e-5)
 
 
-def test_varlen_attention_equals_per_sequence_attention():
+@pytest.mark.parametrize("lengths", [[3, 1, 12], [127, 255, 640, 1, 300], [40]])  # masked, per-sequence, one
+def test_varlen_attention_equals_per_sequence_attention(lengths):
     torch.manual_seed(0)
-    lengths = [3, 1, 12]
-    q, k = torch.randn(16, 2, 8), torch.randn(16, 2, 8)
-    v = torch.randn(16, 2, 5)
-    cu = torch.tensor([0, 3, 4, 16])
+    T = sum(lengths)
+    q, k = (torch.randn(T, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(T, 2, 5, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     out = varlen_causal_attention(q, k, v, cu, scale=0.3)
+    refs = []
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         scores = torch.einsum("thd,shd->hts", q[s:e], k[s:e]) * 0.3
         mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-        ref = torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1), v[s:e])
-        torch.testing.assert_close(out[s:e], ref, atol=1e-6, rtol=1e-5)
+        refs.append(torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1), v[s:e]))
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)
 
 
 def test_attn_res_with_zero_queries_averages_its_sources_uniformly():
