@@ -115,6 +115,10 @@ class AlgorithmConfig:
     sft_steps: int = 0  # warm start: SFT steps on oracle trajectories before RL
     sft_batch_episodes: int = 32
     sft_lr: float | None = None  # None: the trainer's lr
+    # stop the warm start early once the greedy success rate on the held-out tasks reaches this (None: run all
+    # sft_steps); checked every sft_eval_every steps. "A modest success rate" leaves RL something to learn.
+    sft_target_success: float | None = None
+    sft_eval_every: int = 10
     eval_every: int = 0  # evaluate the success rate on held-out tasks every n steps (0: only at start and end)
     checkpoint_every: int = 10
     context_schedule: list[ContextStage] = field(default_factory=list)
@@ -126,6 +130,10 @@ class AlgorithmConfig:
             raise ValueError("algorithm.steps, sft_steps and max_staleness must be >= 0")
         if self.sft_lr is not None and not self.sft_lr > 0:
             raise ValueError(f"algorithm.sft_lr={self.sft_lr!r} must be > 0 (or null: the trainer's lr)")
+        if self.sft_target_success is not None and not 0 < self.sft_target_success <= 1:
+            raise ValueError(f"algorithm.sft_target_success={self.sft_target_success!r} must be in (0, 1] (or null)")
+        if self.sft_eval_every < 1:
+            raise ValueError(f"algorithm.sft_eval_every={self.sft_eval_every!r} must be >= 1")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("algorithm.mode='async' trains on rollouts one version old: max_staleness must be >= 1")
         starts = [s.start_step for s in self.context_schedule]

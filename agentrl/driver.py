@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl.config import JobConfig, check_env
+from agentrl.config import ConfigError, JobConfig, check_env
 from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
@@ -63,7 +63,7 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     log.info("job ready in %.0fs: policy version %d, rl step %d", time.perf_counter() - t0, weights.version, step)
 
     if not resume and job.algorithm.sft_steps:
-        weights = warm_start(job, trainer, tracker)
+        weights = warm_start(job, trainer, tracker, pool, sampler)
         pool.update_weights(weights.path, weights.version)
     if not rl:
         return finish(tracker, trainer, pool, {})
@@ -161,6 +161,10 @@ def prepare_policy(job: JobConfig) -> tuple[str, bool]:
 
     resume = os.path.isdir(os.path.join(job.run_dir, "checkpoints"))
     if job.model.checkpoint:
+        # the rollout workers load the tokenizer from the policy directory: without one they die at start-up
+        if not os.path.exists(os.path.join(job.model.checkpoint, "tokenizer_config.json")):
+            raise ConfigError(f"model.checkpoint={job.model.checkpoint!r} holds no tokenizer (tokenizer_config.json); "
+                              "a checkpoint directory needs the tokenizer beside the weights")
         return job.model.checkpoint, resume
     initial = os.path.join(job.run_dir, "initial")
     if not os.path.exists(os.path.join(initial, "config.json")):
@@ -253,29 +257,46 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
     return rollout_metrics(trajectories, prefix="eval")
 
 
-def warm_start(job: JobConfig, trainer, tracker: Tracker):
-    """SFT on oracle trajectories of the training tasks; returns the published weights."""
+def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSampler):
+    """SFT on oracle trajectories of the training tasks; returns the published weights.
+
+    With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
+    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target.
+    """
     from transformers import AutoTokenizer
 
     from agentrl.envs import make
     from agentrl.rollout.oracle import oracle_trajectory
 
+    algo = job.algorithm
     policy_dir, _ = prepare_policy(job)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     env = make(job.env.id, **job.env.kwargs)
     rng = random.Random(job.seed)
     sft = LossConfig(kind="sft")
-    if job.algorithm.sft_lr is not None:
-        on_all(trainer, "set_lr", job.algorithm.sft_lr)
-    for step in range(job.algorithm.sft_steps):
-        tasks = [rng.randrange(job.env.train_tasks) for _ in range(job.algorithm.sft_batch_episodes)]
+    if algo.sft_lr is not None:
+        on_all(trainer, "set_lr", algo.sft_lr)
+    for step in range(1, algo.sft_steps + 1):
+        tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
         batch = [oracle_trajectory(env, tokenizer, env_id=job.env.id, task_index=i, seed=i,
                                    group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
-        metrics = on_all(trainer, "step", batch, sft)
-        tracker.log_metrics({f"sft/{k}": v for k, v in metrics.items()}, step=step)
-        if step % 10 == 0 or step + 1 == job.algorithm.sft_steps:
-            log.info("sft step %d/%d: loss %.3f", step + 1, job.algorithm.sft_steps, metrics.get("loss", 0.0))
-    if job.algorithm.sft_lr is not None:
+        metrics = {f"sft/{k}": v for k, v in on_all(trainer, "step", batch, sft).items()}
+        reached = False
+        if algo.sft_target_success is not None and step % algo.sft_eval_every == 0 and step < algo.sft_steps:
+            weights = on_all(trainer, "publish_weights")
+            pool.update_weights(weights.path, weights.version)
+            success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
+            metrics["sft/eval_success_rate"] = success
+            reached = success >= algo.sft_target_success
+        tracker.log_metrics(metrics, step=step - 1)
+        if step % 10 == 1 or step == algo.sft_steps or reached:
+            log.info("sft step %d/%d: loss %.3f%s", step, algo.sft_steps, metrics.get("sft/loss", 0.0),
+                     f", held-out success {metrics['sft/eval_success_rate']:.2f}" if "sft/eval_success_rate" in metrics
+                     else "")
+        if reached:
+            break
+    tracker.log_metrics({"sft/steps_run": step}, step=step - 1)
+    if algo.sft_lr is not None:
         on_all(trainer, "set_lr", job.trainer.lr)
     on_all(trainer, "reset_reference")  # RL's KL term (kl_coef > 0) anchors to the warm-started policy
     return on_all(trainer, "publish_weights")

@@ -82,6 +82,8 @@ class PolicyTrainer:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.rank, self.world_size = rank, world_size
+        # a checkpoint directory the policy came from: its tokenizer travels with every published version
+        self.source_dir = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
         self.backend = zero.init_process_group(rank=rank, world_size=world_size, master_addr=master_addr,
                                                master_port=master_port, timeout_s=config.dist_timeout_s,
                                                local_rank=rank if local_rank is None else local_rank)
@@ -253,7 +255,8 @@ class PolicyTrainer:
         if self.rank == 0:
             try:
                 record[0] = write_weights(state, self.policy.config, self.config.run_dir, self.version,
-                                          keep_last=self.config.keep_weight_versions, gather_s=gather_s)
+                                          keep_last=self.config.keep_weight_versions, gather_s=gather_s,
+                                          tokenizer_dir=self.source_dir)
             except Exception as e:  # the other ranks wait in the broadcast: tell them, then fail everywhere
                 record[0] = e
         dist.broadcast_object_list(record, src=0)

@@ -64,9 +64,16 @@ def directory_checksums(path: str) -> dict[str, str]:
     return checkpoint_checksums(load_checkpoint_tensors(path).items())
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version: int, *, keep_last: int = 3,
-                  gather_s: float = 0.0) -> PublishedWeights:
-    """Writes `state` (training layout) as `<run_dir>/weights/v{version}` atomically; returns what was written."""
+                  gather_s: float = 0.0, tokenizer_dir: str | None = None) -> PublishedWeights:
+    """Writes `state` (training layout) as `<run_dir>/weights/v{version}` atomically; returns what was written.
+
+    With `tokenizer_dir`, its tokenizer files are copied beside the weights: every published version is then a
+    complete checkpoint (`agentrl eval --checkpoint`, `model.checkpoint`, vLLM load it without the run's policy dir).
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     start = time.perf_counter()
@@ -76,6 +83,9 @@ def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version:
     tmp = tempfile.mkdtemp(dir=root, prefix=f".tmp-v{version}-")
     try:
         save_state_dict(state, config, tmp)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if os.path.exists(os.path.join(tokenizer_dir, name)):
+                shutil.copy(os.path.join(tokenizer_dir, name), tmp)
         checksums = state_dict_checksums(state)
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         with open(os.path.join(tmp, CHECKSUMS_FILE), "w") as f:

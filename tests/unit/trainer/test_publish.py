@@ -61,3 +61,19 @@ def test_old_versions_are_pruned_and_a_version_can_be_republished(tmp_path):
 def test_trainer_config_errors_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainerConfig(run_dir="r", **kwargs)
+
+
+def test_published_version_carries_the_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from agentrl.tokenizer import byte_tokenizer
+
+    source = tmp_path / "policy"
+    byte_tokenizer().save_pretrained(source)
+    model = tiny_model()
+    p = write_weights(model.state_dict(), model.config, str(tmp_path), 1, tokenizer_dir=str(source))
+    tokenizer = AutoTokenizer.from_pretrained(p.path)
+    assert tokenizer.encode("<tool_call>12") == byte_tokenizer().encode("<tool_call>12")
+    assert tokenizer.chat_template is not None
+    bare = write_weights(model.state_dict(), model.config, str(tmp_path), 2)
+    assert not os.path.exists(os.path.join(bare.path, "tokenizer_config.json"))
