@@ -10,6 +10,7 @@ reported as a ConfigError naming the key — all before any Ray actor starts. Li
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +230,14 @@ def check_env(job: JobConfig) -> None:
     if job.env.num_tasks > available:
         raise ConfigError(f"env.num_tasks={job.env.num_tasks} but {job.env.id} holds {available} tasks "
                           f"(a generated env takes its task count in env.kwargs, e.g. env.kwargs.num_tasks)")
+
+
+def check_checkpoint(path: str, key: str) -> None:
+    """A checkpoint directory must hold its tokenizer: the rollout workers load it from there (else they die at
+    start-up, far from the cause)."""
+    if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        raise ConfigError(f"{key}={path!r} holds no tokenizer (tokenizer_config.json); a checkpoint directory needs "
+                          "the tokenizer beside the weights")
 
 
 def _first_line(exc: Exception) -> str:

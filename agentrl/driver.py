@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl.config import ConfigError, JobConfig, check_env
+from agentrl.config import JobConfig, check_checkpoint, check_env
 from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
@@ -161,10 +161,7 @@ def prepare_policy(job: JobConfig) -> tuple[str, bool]:
 
     resume = os.path.isdir(os.path.join(job.run_dir, "checkpoints"))
     if job.model.checkpoint:
-        # the rollout workers load the tokenizer from the policy directory: without one they die at start-up
-        if not os.path.exists(os.path.join(job.model.checkpoint, "tokenizer_config.json")):
-            raise ConfigError(f"model.checkpoint={job.model.checkpoint!r} holds no tokenizer (tokenizer_config.json); "
-                              "a checkpoint directory needs the tokenizer beside the weights")
+        check_checkpoint(job.model.checkpoint, "model.checkpoint")
         return job.model.checkpoint, resume
     initial = os.path.join(job.run_dir, "initial")
     if not os.path.exists(os.path.join(initial, "config.json")):
@@ -289,10 +286,9 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
         tracker.log_metrics(metrics, step=step - 1)
-        if step % 10 == 1 or step == algo.sft_steps or reached:
-            log.info("sft step %d/%d: loss %.3f%s", step, algo.sft_steps, metrics.get("sft/loss", 0.0),
-                     f", held-out success {metrics['sft/eval_success_rate']:.2f}" if "sft/eval_success_rate" in metrics
-                     else "")
+        if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
+            log.info("sft step %d/%d: %s", step, algo.sft_steps,
+                     ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics))
         if reached:
             break
     tracker.log_metrics({"sft/steps_run": step}, step=step - 1)
@@ -307,6 +303,7 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
 
     check_env(job)
+    check_checkpoint(checkpoint, "--checkpoint")
     connect(job)
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus), 1,
                        (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),
