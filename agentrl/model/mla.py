@@ -29,17 +29,49 @@ _MAX_MASKED_TOKENS = 1024
 # SDPA backends for training attention: every one but cuDNN, torch 2.11's first choice on Hopper. Its backward failed
 # on H200 (an illegal memory access mid-run, NaN gradients in bf16) on a packed micro-batch of 14 sequences of
 # 127-511 tokens after other shapes had run in the process, and not when that micro-batch ran alone: see
-# docs/benchmarks.md (issue 8). The memory-efficient kernel runs instead (flash needs equal q and v head dims); its
-# fwd+bwd is 2.7-3.9x slower than cuDNN's on sequences of 4K-128K tokens, measured there too.
+# docs/benchmarks.md (issue 8). On CUDA in half precision the flash varlen kernel runs instead (below); this list is
+# the fallback (fp32, CPU, a torch without varlen_attn).
 _TRAIN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+try:  # torch >= 2.10: FlashAttention-2 over packed sequences, one kernel for the whole micro-batch
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+
+def _use_flash_varlen(q_THE: torch.Tensor, v_THV: torch.Tensor) -> bool:
+    head_dim = max(q_THE.shape[-1], v_THV.shape[-1])
+    return (varlen_attn is not None and q_THE.is_cuda and q_THE.dtype in (torch.float16, torch.bfloat16)
+            and head_dim <= 256 and head_dim % 8 == 0)
 
 
 def varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
                             cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention of packed sequences (no attention across sequences) via SDPA, never its cuDNN
-    backend (see _TRAIN_BACKENDS). Returns [T, H, V]."""
+    """Causal softmax attention of packed sequences (no attention across sequences). Returns [T, H, V].
+
+    On CUDA in bf16/fp16: flash varlen attention, one call for all sequences. Flash needs one head dim for q, k and v,
+    and MLA's differ (the `small` preset: qk 128, v 64), so the narrower side is zero-padded: zero value channels give
+    zero output channels (sliced off), zero q/k channels add nothing to the scores. Measured on H200
+    (scripts/bench_attention.py): 2.2x the memory-efficient SDPA kernel on one 32K sequence, 2.8-3.4x on packed
+    micro-batches. Elsewhere: SDPA without cuDNN (see _TRAIN_BACKENDS)."""
+    if _use_flash_varlen(q_THE, v_THV):
+        return _flash_varlen_causal_attention(q_THE, k_THE, v_THV, cu_seqlens, scale)
     with sdpa_kernel(_TRAIN_BACKENDS):
         return _varlen_causal_attention(q_THE, k_THE, v_THV, cu_seqlens, scale)
+
+
+def _flash_varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
+                                   cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    qk_dim, v_dim = q_THE.shape[-1], v_THV.shape[-1]
+    if qk_dim < v_dim:
+        q_THE, k_THE = (F.pad(t, (0, v_dim - qk_dim)) for t in (q_THE, k_THE))
+    elif v_dim < qk_dim:
+        v_THV = F.pad(v_THV, (0, qk_dim - v_dim))
+    cu = cu_seqlens.to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    # window (-1, 0): no limit to the left, nothing to the right, i.e. causal (torch 2.11 has no is_causal argument)
+    out = varlen_attn(q_THE, k_THE, v_THV, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
+    return out[..., :v_dim]
 
 
 def _varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM
-from agentrl.model.mla import varlen_causal_attention
+from agentrl.model.mla import _use_flash_varlen, varlen_causal_attention
 from agentrl.model.moe import grouped_matmul
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -96,20 +96,24 @@ def _backward_ops(tensor):
 
 
 # the micro-batches of `bench_ep.py --groups 16 --length 4096 --micro-batch-tokens 16384`: the third (14 sequences
-# of 127..511 tokens) made cuDNN's SDPA backward read out of bounds (issue 8); a masked batch; one sequence
+# of 127..511 tokens) made cuDNN's SDPA backward read out of bounds (issue 8); a masked batch; one sequence. Head dims
+# (qk, v): the small preset's (128, 64), where flash pads v, and the reverse, where it pads q and k.
+@pytest.mark.parametrize("dims", [(128, 64), (64, 96)])
 @pytest.mark.parametrize("lengths", [[255, 127, 383, 255, 127, 383, 255, 511, 127, 383, 255, 511, 127, 383],
                                      [127, 255, 64, 1, 300], [704]])
-def test_varlen_attention_bf16_backward_is_finite_and_matches_fp32(lengths):
+def test_varlen_attention_bf16_backward_is_finite_and_matches_fp64(lengths, dims):
     torch.manual_seed(0)
-    T, H, E, V = sum(lengths), 16, 128, 64  # the small preset's MLA: q/k head dim 128, v head dim 64
+    (E, V), T, H = dims, sum(lengths), 16
     q, k = (torch.randn(T, H, E, device="cuda") for _ in range(2))
     v = torch.randn(T, H, V, device="cuda")
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     grad = torch.randn(T, H, V, device="cuda")
     results = []
-    for dtype in (torch.bfloat16, torch.float64):
+    for dtype in (torch.bfloat16, torch.float64):  # bf16 runs flash varlen, fp64 the SDPA fallback
         inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        assert _use_flash_varlen(inputs[0], inputs[2]) == (dtype == torch.bfloat16)
         out = varlen_causal_attention(*inputs, cu, scale=E ** -0.5)
+        assert out.shape == (T, H, V)
         assert "ScaledDotProductCudnnAttentionBackward0" not in _backward_ops(out)
         out.backward(grad.to(dtype))
         torch.cuda.synchronize()
