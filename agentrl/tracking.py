@@ -101,6 +101,28 @@ class Tracker:
         self.client.set_terminated(self.run_id, status=status)
 
 
+def read_metric_history(run_dir: str, key: str, tracking_uri: str | None = None) -> list[tuple[int, float]]:
+    """(step, value) of `key` in the run that the job in `run_dir` logged to, in step order: for scripts, tests and
+    notebooks after (or during) a run. `tracking_uri`: where it logged, if not to the embedded sqlite store."""
+    from mlflow import MlflowClient
+
+    id_file = os.path.join(run_dir, RUN_ID_FILE)
+    if not os.path.exists(id_file):
+        raise FileNotFoundError(f"{run_dir!r} holds no {RUN_ID_FILE}: is it the run_dir of an agentrl job?")
+    client = MlflowClient(tracking_uri or default_tracking_uri(run_dir))
+    run_id = open(id_file).read().strip()
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def start_and_end(history: list[tuple[int, float]], window: int) -> tuple[float, float]:
+    """Means of the first and of the last `window` values of a curve: one RL step's success rate is a noisy estimate
+    (a few hundred episodes at most), so a rise is read between windows, not between single steps."""
+    values = [v for _, v in history]
+    if len(values) < 2 * window:
+        raise ValueError(f"a curve of {len(values)} points has no two disjoint windows of {window}")
+    return sum(values[:window]) / window, sum(values[-window:]) / window
+
+
 def transcript_record(t: Trajectory) -> dict[str, Any]:
     return {"trajectory_id": t.trajectory_id, "task_id": t.task_id, "env": t.env_id, "status": t.status.value,
             "failure": t.failure.value if t.failure else None, "error": t.error, "reward": t.reward,

@@ -19,21 +19,18 @@ PHASES = ("rollout", "train", "sync", "log")
 
 
 def run(config: str, overrides: list[str], mode: str, steps: int, root: str) -> dict[str, float]:
-    import mlflow
-
     from agentrl.config import load_config
     from agentrl.driver import run_job
+    from agentrl.tracking import read_metric_history
 
     run_dir = os.path.join(root, mode)
     job, resolved = load_config(config, overrides + [f"run_dir={run_dir}", f"algorithm.mode={mode}",
                                                      f"algorithm.steps={steps}", "algorithm.sft_steps=0",
                                                      "algorithm.eval_every=0", f"algorithm.checkpoint_every={steps}"])
     run_job(job, resolved)
-    client = mlflow.MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
-    run_id = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id
 
     def series(key: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        return [v for _, v in read_metric_history(run_dir, key)]
 
     steps_s, log_s = series("time/step_s"), series("time/log_s")
     loop_s = sum(steps_s) + sum(log_s)

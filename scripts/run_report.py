@@ -4,20 +4,18 @@
 
 Rows: the SFT summary (first and last loss), then one row per RL step that logged any of the keys (every n-th step,
 plus the steps with an evaluation and the last one). An `eval/` column is that step's evaluation; every other column
-is the mean over the steps since the previous row (one step's rollout success is noisy: 64 episodes of 8 tasks).
+is the mean over the steps since the previous row (one step's rollout success is noisy). Last, the training success
+rate's rise: the mean of the first `--window` RL steps against the mean of the last `--window`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+
+from agentrl.tracking import read_metric_history, start_and_end
 
 KEYS = ["eval/success_rate", "eval/tool_error_rate", "rollout/success_rate", "rollout/tool_error_rate",
         "train/entropy", "train/uniform_groups", "time/step_s"]
-
-
-def history(client, run_id: str, key: str) -> dict[int, float]:
-    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
 def main() -> None:
@@ -25,21 +23,20 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--keys", nargs="+", default=KEYS)
+    parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--tracking-uri", default=None, help="where the run logged, if not to its run directory")
     args = parser.parse_args()
-    import mlflow
 
-    db = os.path.join(args.run_dir, "mlflow.db")
-    if not os.path.exists(db):
-        raise SystemExit(f"no MLflow store at {db}: is {args.run_dir!r} a run directory?")
-    client = mlflow.MlflowClient(f"sqlite:///{db}")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    if not runs:
-        raise SystemExit(f"{db} holds no run")
-    run_id = runs[0].info.run_id
-    sft = history(client, run_id, "sft/loss")
+    def history(key: str) -> dict[int, float]:
+        return dict(read_metric_history(args.run_dir, key, args.tracking_uri))
+
+    try:
+        sft = history("sft/loss")
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
     if sft:
         print(f"SFT: {len(sft)} steps, loss {sft[min(sft)]:.3f} -> {sft[max(sft)]:.3f}\n")
-    curves = {k: history(client, run_id, k) for k in args.keys}
+    curves = {k: history(k) for k in args.keys}
     steps = sorted({s for c in curves.values() for s in c})
     evals = set(curves.get("eval/success_rate", {}))
     shown = [s for s in steps if s % args.every == 0 or s in evals or s == steps[-1]]
@@ -54,6 +51,11 @@ def main() -> None:
             cells.append(f"{sum(values) / len(values):.3f}" if values else "")
         print(f"| {s} | " + " | ".join(cells) + " |")
         previous = s
+    success = sorted(history("rollout/success_rate").items())
+    if len(success) >= 2 * args.window:
+        start, end = start_and_end(success, args.window)
+        print(f"\nrollout/success_rate: {start:.3f} (mean of the first {args.window} RL steps) -> {end:.3f} (the last "
+              f"{args.window}): {100 * (end - start):+.1f} points")
 
 
 if __name__ == "__main__":

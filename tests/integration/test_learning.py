@@ -1,0 +1,41 @@
+"""RL lifts the success rate: the quickstart's RL phase, shortened, from the quickstart's own warm start.
+
+The warm start is shipped (tests/data/quickstart-warm-start, 1.4 MB; tests/data/README.md says how it was made) so
+that the test spends its minutes on RL, not on the ~5 minutes of SFT before it. The rise is read from the run's MLflow
+store, as a user reads it in `mlflow ui`: the training success rate's mean over the last steps against the first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.tracking import read_metric_history, start_and_end
+
+pytest.importorskip("vllm")
+pytest.importorskip("deepspeed")
+
+WARM_START = os.path.join(os.path.dirname(__file__), os.pardir, "data", "quickstart-warm-start")
+# the mean over the second half of the steps against the first: the 2 runs measured rose by 14 and 15 points
+# (0.48 -> 0.63, 0.48 -> 0.62 over 12 steps), a fresh optimizer at lr 5e-4 by 0; one step of 128 episodes varies by
+# ~0.08, so a half of 7 steps by ~0.03 and the difference by ~0.045
+STEPS, WINDOW, MIN_RISE = 14, 7, 0.05
+
+
+def test_rl_lifts_the_training_success_rate(tmp_path, ray_session):
+    from agentrl.driver import run_job
+
+    run_dir = str(tmp_path / "learn")
+    job, resolved = load_config("configs/quickstart.yaml", [
+        f"run_dir={run_dir}", f"model.checkpoint={os.path.abspath(WARM_START)}", "algorithm.sft_steps=0",
+        f"algorithm.steps={STEPS}", "algorithm.eval_every=0", f"algorithm.checkpoint_every={STEPS}",
+        # the quickstart's RL lr (5e-4) follows SFT in the same Adam, whose moments damp its first steps; a fresh
+        # optimizer at 5e-4 lost the skill (success 0.44 -> 0.44, greedy 0.41 -> 0.16), at 2e-4 it learns
+        "trainer.lr=2e-4"])
+    run_job(job, resolved)
+    history = read_metric_history(run_dir, "rollout/success_rate")
+    assert [step for step, _ in history] == list(range(1, STEPS + 1))
+    start, end = start_and_end(history, WINDOW)
+    assert end - start >= MIN_RISE, f"success rate {start:.3f} -> {end:.3f} over {STEPS} RL steps: {history}"
