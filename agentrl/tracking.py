@@ -45,6 +45,11 @@ def default_tracking_uri(run_dir: str) -> str:
     return "sqlite:///" + os.path.abspath(os.path.join(run_dir, "mlflow.db"))
 
 
+def resolve_tracking_uri(configured: str | None, run_dir: str) -> str:
+    """Where a job logs: the configured URI, else MLFLOW_TRACKING_URI, else the run directory's sqlite store."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(run_dir)
+
+
 class Tracker:
     """One MLflow run per training job."""
 
@@ -54,7 +59,7 @@ class Tracker:
         self.config = config
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
-        self.uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(run_dir)
+        self.uri = resolve_tracking_uri(config.tracking_uri, run_dir)
         self.client = MlflowClient(self.uri)
         id_file = os.path.join(run_dir, RUN_ID_FILE)
         if os.path.exists(id_file):  # a resumed job continues its run
@@ -94,22 +99,19 @@ class Tracker:
         self.client.log_text(self.run_id, json.dumps(records, indent=1), f"transcripts/step_{step:06d}.json")
         self.client.log_text(self.run_id, transcripts_html(records, step), f"transcripts/step_{step:06d}.html")
 
-    def metric_history(self, key: str) -> list[tuple[int, float]]:
-        return [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, key)]
-
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
 
 def read_metric_history(run_dir: str, key: str, tracking_uri: str | None = None) -> list[tuple[int, float]]:
     """(step, value) of `key` in the run that the job in `run_dir` logged to, in step order: for scripts, tests and
-    notebooks after (or during) a run. `tracking_uri`: where it logged, if not to the embedded sqlite store."""
+    notebooks after (or during) a run. `tracking_uri`: the job's `tracking.tracking_uri`, if it set one."""
     from mlflow import MlflowClient
 
     id_file = os.path.join(run_dir, RUN_ID_FILE)
     if not os.path.exists(id_file):
         raise FileNotFoundError(f"{run_dir!r} holds no {RUN_ID_FILE}: is it the run_dir of an agentrl job?")
-    client = MlflowClient(tracking_uri or default_tracking_uri(run_dir))
+    client = MlflowClient(resolve_tracking_uri(tracking_uri, run_dir))
     run_id = open(id_file).read().strip()
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 

@@ -22,6 +22,16 @@ CASES = {"4 x 4095": [4095] * 4,
          "14 of 511..2047": [1023, 511, 2047, 767, 1023, 511, 2047, 767, 1023, 2047, 767, 1023, 2047, 767],
          "1 x 32768": [32768], "1 x 131072": [131072]}
 H, E, V = 16, 128, 64
+
+
+def sdpa_only(backend):
+    def attention(*args):
+        with sdpa_kernel([backend]):
+            return _varlen_causal_attention(*args)
+    return attention
+
+
+cudnn, memory_efficient = sdpa_only(SDPBackend.CUDNN_ATTENTION), sdpa_only(SDPBackend.EFFICIENT_ATTENTION)
 print("| packing | tokens | cuDNN ms | memory-efficient ms | flash varlen, v padded ms | memory-efficient / flash |")
 print("|---|---:|---:|---:|---:|---:|")
 for name, lengths in CASES.items():
@@ -31,17 +41,15 @@ for name, lengths in CASES.items():
     v = torch.randn(T, H, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(1, H, T, V, device="cuda", dtype=torch.bfloat16)[0].transpose(0, 1)  # dO: [1, H, T, V] contiguous
     row = []
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, None):
-        with sdpa_kernel([backend or SDPBackend.MATH]):
-            times = []
-            for i in range(6):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                attention = _flash_varlen_causal_attention if backend is None else _varlen_causal_attention
-                attention(q, k, v, cu, E ** -0.5).backward(g)
-                b.record()
-                torch.cuda.synchronize()
-                if i >= 2:
-                    times.append(a.elapsed_time(b))
+    for attention in (cudnn, memory_efficient, _flash_varlen_causal_attention):
+        times = []
+        for i in range(6):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            attention(q, k, v, cu, E ** -0.5).backward(g)
+            b.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(a.elapsed_time(b))
         row.append(sorted(times)[len(times) // 2])
     print(f"| {name} | {T} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | {row[1] / row[2]:.2f} |", flush=True)

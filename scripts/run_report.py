@@ -51,7 +51,7 @@ def main() -> None:
             cells.append(f"{sum(values) / len(values):.3f}" if values else "")
         print(f"| {s} | " + " | ".join(cells) + " |")
         previous = s
-    success = sorted(history("rollout/success_rate").items())
+    success = read_metric_history(args.run_dir, "rollout/success_rate", args.tracking_uri)
     if len(success) >= 2 * args.window:
         start, end = start_and_end(success, args.window)
         print(f"\nrollout/success_rate: {start:.3f} (mean of the first {args.window} RL steps) -> {end:.3f} (the last "
