@@ -257,8 +257,9 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
 def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSampler):
     """SFT on oracle trajectories of the training tasks; returns the published weights.
 
-    With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
-    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target.
+    With `algorithm.sft_target_success` set, every `sft_eval_every` steps (every `sft_eval_every_rising` steps once
+    a check has seen any success) the rollout workers take the weights and the held-out tasks are evaluated greedily;
+    the warm start ends once the success rate reaches the target.
     """
     from transformers import AutoTokenizer
 
@@ -273,24 +274,36 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     sft = LossConfig(kind="sft")
     if algo.sft_lr is not None:
         on_all(trainer, "set_lr", algo.sft_lr)
+    every, last_check = algo.sft_eval_every, 0
+    # the engine's first generation (its start-up and compilation, ~40 s on the CPU) overlaps the first SFT steps
+    # instead of stalling the first check
+    warmup = pool.submit(sampler.eval_requests(), temperature=0.0) if algo.sft_target_success is not None else None
     for step in range(1, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
         batch = [oracle_trajectory(env, tokenizer, env_id=job.env.id, task_index=i, seed=i,
                                    group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
         metrics = {f"sft/{k}": v for k, v in on_all(trainer, "step", batch, sft).items()}
         reached = False
-        if algo.sft_target_success is not None and step % algo.sft_eval_every == 0 and step < algo.sft_steps:
+        if algo.sft_target_success is not None and step - last_check >= every and step < algo.sft_steps:
+            if warmup is not None:
+                pool.collect(warmup)
+                warmup = None
             weights = on_all(trainer, "publish_weights")
             pool.update_weights(weights.path, weights.version)
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
+            last_check = step
+            if success > 0 and algo.sft_eval_every_rising is not None:
+                every = algo.sft_eval_every_rising
         tracker.log_metrics(metrics, step=step - 1)
         if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
             log.info("sft step %d/%d: %s", step, algo.sft_steps,
                      ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics))
         if reached:
             break
+    if warmup is not None:
+        pool.collect(warmup)
     tracker.log_metrics({"sft/steps_run": step}, step=step - 1)
     if algo.sft_lr is not None:
         on_all(trainer, "set_lr", job.trainer.lr)
