@@ -1,7 +1,8 @@
 """GPU benchmarks of the hybrid model on an H200, each comparison measured in one run, printed as Markdown tables.
 
     python scripts/bench_gpu.py throughput   # fwd+bwd tokens/s and MFU at 4K/32K/128K: agentrl `small`, fla's
-                                             # KDAForCausalLM and transformers' KimiLinearForCausalLM, matching sizes
+                                             # KDAForCausalLM (all KDA, and the hybrid with softmax layers where
+                                             # `small` has MLA) and transformers' KimiLinearForCausalLM
     python scripts/bench_gpu.py memory       # peak memory vs sequence length (gradient checkpointing on)
     python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
     python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
@@ -10,13 +11,16 @@
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
 target log-probs; fla's fused linear cross-entropy; transformers' full logits and cross-entropy. MFU is
-6·N_active·tokens / step time over the H200's dense bf16 peak (990 TFLOP/s, datasheet), the anchors' convention:
-it ignores attention's T² FLOPs, so the MLA models do more work than it credits at 128K.
+6·N_active·tokens / step time over the H200's dense bf16 peak (990 TFLOP/s, datasheet), the anchors' convention,
+and once more with the softmax layers' causal attention FLOPs added (3 · T² · heads · (d_qk + d_v) per layer for
+fwd+bwd): the first ignores the T² work that only the models with softmax layers do, and at 128K that work is most of
+their step, so only the second compares an all-KDA model with a hybrid.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -41,18 +45,37 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-# --- the three models ---------------------------------------------------------------------------------------------
-def agentrl_small(**overrides) -> tuple[torch.nn.Module, int, int]:
-    model = HybridMoEForCausalLM(preset_config("small", **overrides))
+# --- the models ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Built:
+    model: torch.nn.Module
+    total: int  # parameters
+    active: int  # parameters a token passes through
+    # the softmax-attention layers as (heads, qk head dim, v head dim), one entry per layer: their T² FLOPs
+    attention: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+
+    def flops(self, tokens: int) -> float:
+        """fwd+bwd FLOPs of one sequence of `tokens`: 6·N_active·T plus causal attention, 3·T²·H·(d_qk + d_v)."""
+        return 6 * self.active * tokens + sum(3 * tokens**2 * h * (dqk + dv) for h, dqk, dv in self.attention)
+
+
+def agentrl_small(**overrides) -> Built:
+    config = preset_config("small", **overrides)
+    model = HybridMoEForCausalLM(config)
     total, active = model.parameter_counts()
-    return model, total, active
+    return Built(model, total, active, _mla_layers(config))
+
+
+def _mla_layers(config) -> list[tuple[int, int, int]]:
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    return [(config.num_attention_heads, qk, config.v_head_dim)] * len(config.linear_attn_config["full_attn_layers"])
 
 
 def agentrl_loss(model, ids):
     return -model(ids[:, :-1], target_ids=ids[:, 1:]).token_logprobs.mean()
 
 
-def fla_kda(**overrides) -> tuple[torch.nn.Module, int, int]:
+def fla_kda(**overrides) -> Built:
     """fla's all-KDA model at the small preset's width: hidden 1024, 8 layers, 8 heads of 128, vocab 32K."""
     from fla.models import KDAConfig, KDAForCausalLM
 
@@ -60,14 +83,49 @@ def fla_kda(**overrides) -> tuple[torch.nn.Module, int, int]:
                     **overrides)
     model = KDAForCausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())
-    return model, total, total
+    attention = []
+    if cfg.attn:  # fla's softmax layers: head dim = hidden / heads for q, k and v
+        heads = cfg.attn["num_heads"]
+        attention = [(heads, cfg.hidden_size // heads, cfg.hidden_size // heads)] * len(cfg.attn["layers"])
+    return Built(model, total, total, attention)
+
+
+def fla_hybrid() -> Built:
+    """fla's KDA model with softmax attention where `small` has MLA (layers 4 and 8; 16 heads of 64), fla's kernels
+    for the rest: the like-for-like of the K3 layout that fla itself offers."""
+    _flash_attn_from_torch()
+    return fla_kda(attn={"layers": [3, 7], "num_heads": 16})
+
+
+def _flash_attn_from_torch() -> None:
+    """fla's softmax layer calls the flash-attn package, which the device does not have; torch ships the same
+    FlashAttention-2 kernel (`torch.nn.attention.varlen.varlen_attn`, what agentrl's MLA runs), so fla's two entry
+    points are pointed at it."""
+    import fla.layers.attn as fla_attn
+    from torch.nn.attention.varlen import varlen_attn
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                               window_size=(-1, -1), softmax_scale=None):
+        if not causal or tuple(window_size) != (-1, -1):
+            raise NotImplementedError("the bench runs fla's attention causal, without a window")
+        return varlen_attn(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q,
+                           max_seqlen_k, scale=softmax_scale, window_size=(-1, 0))
+
+    def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None):
+        batch, length = q.shape[:2]
+        cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, length, length,
+                                     causal, window_size, softmax_scale)
+        return out.unflatten(0, (batch, length))
+
+    fla_attn.flash_attn_func, fla_attn.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
 
 
 def hf_loss(model, ids):
     return model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
 
 
-def kimi_linear() -> tuple[torch.nn.Module, int, int]:
+def kimi_linear() -> Built:
     """transformers' KimiLinearForCausalLM at the small preset's sizes (no latent MoE, no AttnRes: it has neither)."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
@@ -87,7 +145,7 @@ def kimi_linear() -> tuple[torch.nn.Module, int, int]:
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active = total - routed + routed * s.num_experts_per_token // s.num_experts
-    return model, total, active
+    return Built(model, total, active, _mla_layers(s))
 
 
 # --- timing -------------------------------------------------------------------------------------------------------
@@ -118,8 +176,9 @@ def step_time(model, loss_fn, tokens: int, repeats: int = 3) -> float:
     return median_seconds(step, repeats)
 
 
-def measure(model, loss_fn, tokens: int, active: int, repeats: int = 3) -> tuple[str, str, str]:
-    """(tokens/s, MFU, note); retries with gradient checkpointing on OOM."""
+def measure(built: Built, loss_fn, tokens: int, repeats: int = 3) -> tuple[str, str, str, str]:
+    """(tokens/s, MFU 6N, MFU with attention, note); retries with gradient checkpointing on OOM."""
+    model = built.model
     note = ""
     try:
         dt = step_time(model, loss_fn, tokens, repeats)
@@ -131,18 +190,20 @@ def measure(model, loss_fn, tokens: int, active: int, repeats: int = 3) -> tuple
             dt = step_time(model, loss_fn, tokens, repeats)
             note = "ckpt"
         except torch.OutOfMemoryError:
-            return "OOM", "", ""
+            return "OOM", "", "", ""
         finally:
             model.gradient_checkpointing_disable()
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-    return f"{tokens / dt:,.0f}", f"{6 * active * tokens / dt / PEAK_FLOPS * 100:.1f}%", note
+    return (f"{tokens / dt:,.0f}", f"{6 * built.active * tokens / dt / PEAK_FLOPS * 100:.1f}%",
+            f"{built.flops(tokens) / dt / PEAK_FLOPS * 100:.1f}%", note)
 
 
 MODELS = {
     "agentrl": ("agentrl `small` (K3 layout)", agentrl_small, agentrl_loss, True),
     "unfused": ("agentrl `small`, fla fused kernels off", agentrl_small, agentrl_loss, False),
     "fla": ("fla KDAForCausalLM", fla_kda, hf_loss, True),
+    "fla-hybrid": ("fla KDAForCausalLM + softmax layers 4, 8", fla_hybrid, hf_loss, True),
     "kimi": ("transformers KimiLinearForCausalLM", kimi_linear, hf_loss, True),
 }
 
@@ -153,24 +214,26 @@ def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> Non
     for name, build, loss_fn, fused in (MODELS[m] for m in (models or list(MODELS))):
         torch.manual_seed(0)
         try:
-            model, total, active = build()
+            built = build()
         except Exception as e:  # e.g. a transformers without KimiLinear
             print(f"  {name}: not built ({type(e).__name__}: {e})", flush=True)
             continue
-        model = model.to("cuda", torch.bfloat16).train()
+        built.model = built.model.to("cuda", torch.bfloat16).train()
         for tokens in tokens_list:
             previous = layers.set_fused(fused)
             try:
-                tps, mfu, note = measure(model, loss_fn, tokens, active)
+                tps, mfu, mfu_attention, note = measure(built, loss_fn, tokens)
             finally:
                 layers.set_fused(previous)
             results.setdefault(name, {})[tokens] = tps
-            rows.append([name, f"{total / 1e6:.0f}M / {active / 1e6:.0f}M", tokens, tps, mfu, note])
-            print(f"  {name} T={tokens}: {tps} tok/s {mfu} {note}", flush=True)
-        del model
+            rows.append([name, f"{built.total / 1e6:.0f}M / {built.active / 1e6:.0f}M", tokens, tps, mfu,
+                         mfu_attention, note])
+            print(f"  {name} T={tokens}: {tps} tok/s {mfu} {mfu_attention} {note}", flush=True)
+        del built
         torch.cuda.empty_cache()
     print(f"\n### Training throughput, bf16 fwd+bwd, B=1, one H200 ({torch.cuda.get_device_name()})\n")
-    print(table(["model", "params total / active", "tokens", "tokens/s", "MFU (6·N_active·tokens)", "note"], rows))
+    print(table(["model", "params total / active", "tokens", "tokens/s", "MFU (6·N_active)",
+                 "MFU (+ attention T²)", "note"], rows))
     ours = results.get(MODELS["agentrl"][0])
     ratio_rows = []
     if ours is None:
@@ -197,12 +260,12 @@ def bench_gate(tokens_list=(32768, 131072)) -> None:
                              ("unbounded (Kimi Linear: −e^A·softplus)", dict(linear_attn_config=dict(
                                  gate_lower_bound=None)))):
         torch.manual_seed(0)
-        model, _, active = agentrl_small(**overrides)
-        model = model.to("cuda", torch.bfloat16).train()
+        built = agentrl_small(**overrides)
+        built.model = built.model.to("cuda", torch.bfloat16).train()
         for tokens in tokens_list:
-            tps, mfu, note = measure(model, agentrl_loss, tokens, active)
+            tps, mfu, _, note = measure(built, agentrl_loss, tokens)
             rows.append([label, tokens, tps, mfu, note])
-        del model
+        del built
         torch.cuda.empty_cache()
     print("### Bounded vs unbounded KDA gate inside the `small` model, bf16 fwd+bwd, B=1\n")
     print(table(["gate", "tokens", "tokens/s", "MFU", "note"], rows))
@@ -212,7 +275,7 @@ def bench_gate(tokens_list=(32768, 131072)) -> None:
 def bench_memory(tokens_list=(8192, 32768, 131072, 262144, 524288)) -> None:
     """One cold fwd+bwd per length: MLA's T² attention makes each doubling ~4× slower, so lengths stop at 512K."""
     torch.manual_seed(0)
-    model, _, _ = agentrl_small()
+    model = agentrl_small().model
     model = model.to("cuda", torch.bfloat16).train()
     model.gradient_checkpointing_enable()
     weights = torch.cuda.memory_allocated() / 2**30
@@ -252,7 +315,8 @@ def _publish_rank(rank: int, port: int, queue) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
     torch.manual_seed(0)
     with torch.device("meta"):
-        model, total, _ = agentrl_small()
+        built = agentrl_small()
+        model, total = built.model, built.total
     state = {k: torch.randn(v.shape, device="cuda", dtype=torch.bfloat16) for k, v in model.state_dict().items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     flat = torch.cat([t.reshape(-1) for t in state.values()])
@@ -317,7 +381,7 @@ def bench_profile(tokens: int, out: str | None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    model, _, _ = agentrl_small()
+    model = agentrl_small().model
     model = model.to("cuda", torch.bfloat16).train()
     ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
     for _ in range(2):
@@ -343,7 +407,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--models", nargs="*", default=None, help="throughput: a subset of agentrl, unfused, fla, "
-                        "kimi (default all), in the order given")
+                        "fla-hybrid, kimi (default all), in the order given")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "run through the device tool"
     if args.what in ("throughput", "all"):
