@@ -120,9 +120,6 @@ class AlgorithmConfig:
     # sft_steps); checked every sft_eval_every steps. "A modest success rate" leaves RL something to learn.
     sft_target_success: float | None = None
     sft_eval_every: int = 10
-    # once a check has seen any success the warm start is in its (sharp) transition: check every this many steps so
-    # that it stops near the target instead of far past it (None: keep sft_eval_every)
-    sft_eval_every_rising: int | None = None
     eval_every: int = 0  # evaluate the success rate on held-out tasks every n steps (0: only at start and end)
     checkpoint_every: int = 10
     context_schedule: list[ContextStage] = field(default_factory=list)
@@ -138,8 +135,6 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.sft_target_success={self.sft_target_success!r} must be in (0, 1] (or null)")
         if self.sft_eval_every < 1:
             raise ValueError(f"algorithm.sft_eval_every={self.sft_eval_every!r} must be >= 1")
-        if self.sft_eval_every_rising is not None and self.sft_eval_every_rising < 1:
-            raise ValueError(f"algorithm.sft_eval_every_rising={self.sft_eval_every_rising!r} must be >= 1 (or null)")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("algorithm.mode='async' trains on rollouts one version old: max_staleness must be >= 1")
         starts = [s.start_step for s in self.context_schedule]

@@ -257,9 +257,8 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
 def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSampler):
     """SFT on oracle trajectories of the training tasks; returns the published weights.
 
-    With `algorithm.sft_target_success` set, every `sft_eval_every` steps (every `sft_eval_every_rising` steps once
-    a check has seen any success) the rollout workers take the weights and the held-out tasks are evaluated greedily;
-    the warm start ends once the success rate reaches the target.
+    With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
+    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target.
     """
     from transformers import AutoTokenizer
 
@@ -274,7 +273,6 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     sft = LossConfig(kind="sft")
     if algo.sft_lr is not None:
         on_all(trainer, "set_lr", algo.sft_lr)
-    every, last_check = algo.sft_eval_every, 0
     # the engine's first generation (its start-up and compilation, ~40 s on the CPU) overlaps the first SFT steps
     # instead of stalling the first check
     warmup = pool.submit(sampler.eval_requests(), temperature=0.0) if algo.sft_target_success is not None else None
@@ -284,7 +282,7 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
                                    group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
         metrics = {f"sft/{k}": v for k, v in on_all(trainer, "step", batch, sft).items()}
         reached = False
-        if algo.sft_target_success is not None and step - last_check >= every and step < algo.sft_steps:
+        if algo.sft_target_success is not None and step % algo.sft_eval_every == 0 and step < algo.sft_steps:
             if warmup is not None:
                 pool.collect(warmup)
                 warmup = None
@@ -293,9 +291,6 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
-            last_check = step
-            if success > 0 and algo.sft_eval_every_rising is not None:
-                every = algo.sft_eval_every_rising
         tracker.log_metrics(metrics, step=step - 1)
         if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
             log.info("sft step %d/%d: %s", step, algo.sft_steps,

@@ -39,3 +39,21 @@ def test_rl_lifts_the_training_success_rate(tmp_path, ray_session):
     assert [step for step, _ in history] == list(range(1, STEPS + 1))
     start, end = start_and_end(history, WINDOW)
     assert end - start >= MIN_RISE, f"success rate {start:.3f} -> {end:.3f} over {STEPS} RL steps: {history}"
+
+
+def test_warm_start_stops_at_the_first_check_that_reaches_its_target(tmp_path, ray_session):
+    """The warm start evaluates the held-out tasks every `sft_eval_every` steps and stops at the first check that
+    reaches `sft_target_success`: here the shipped warm start (greedy ~0.4) against a target of 0.1, at an lr too small
+    to change it, so the first check (step 3 of at most 20) ends it."""
+    from agentrl.driver import run_job
+
+    run_dir = str(tmp_path / "target")
+    job, resolved = load_config("configs/quickstart.yaml", [
+        f"run_dir={run_dir}", f"model.checkpoint={os.path.abspath(WARM_START)}", "algorithm.sft_steps=20",
+        "algorithm.sft_eval_every=3", "algorithm.sft_target_success=0.1", "algorithm.sft_lr=1e-7",
+        "algorithm.sft_batch_episodes=4", "env.eval_tasks=16"])
+    run_job(job, resolved, rl=False)
+    checks = read_metric_history(run_dir, "sft/eval_success_rate")
+    assert [step for step, _ in checks] == [2], checks  # logged at step - 1
+    assert checks[0][1] >= 0.1
+    assert read_metric_history(run_dir, "sft/steps_run") == [(2, 3.0)]
