@@ -106,10 +106,10 @@ def _flash_attn_from_torch() -> None:
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                                window_size=(-1, -1), softmax_scale=None):
-        if not causal or tuple(window_size) != (-1, -1):
-            raise NotImplementedError("the bench runs fla's attention causal, without a window")
+        # flash-attn takes causal as a flag beside the window (left, right); torch's kernel takes causal as right = 0
+        left, right = window_size
         return varlen_attn(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q,
-                           max_seqlen_k, scale=softmax_scale, window_size=(-1, 0))
+                           max_seqlen_k, scale=softmax_scale, window_size=(left, 0 if causal else right))
 
     def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None):
         batch, length = q.shape[:2]
