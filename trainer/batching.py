@@ -44,6 +44,9 @@ class MicroBatch:
     forced_experts_TLK: torch.Tensor | None  # long: routing replay
     trajectory_indices: list[int]  # positions in the step's trajectory list
     is_padding: bool = False
+    # fp32: the trainer's log-probs of the targets before the step's first optimizer step, recorded when a step makes
+    # several (PPO mini-batches); None: one optimizer step, they are the forward's own (detached)
+    old_logprobs_T: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,10 +82,7 @@ def plan_step(trajectories: Sequence[Trajectory], advantages: Sequence[float | N
     kept, skipped = [], []
     for i, t in enumerate(trajectories):
         t.validate()
-        if advantages[i] is None or len(t.tokens) < 2 or not any(t.loss_mask[1:]):
-            skipped.append(i)
-        else:
-            kept.append(i)
+        (kept if is_trainable(t, advantages[i]) else skipped).append(i)
     if not kept:
         raise ValueError(f"none of the {len(trajectories)} trajectories has a trained token "
                          f"(loss_mask 1 after the first token, and an advantage)")
@@ -133,6 +133,31 @@ def plan_step(trajectories: Sequence[Trajectory], advantages: Sequence[float | N
             micro_batches.append(padding_micro_batch(num_moe_layers if all(routed) else None,
                                                      trajectories[kept[0]]))
     return StepPlan(per_rank=per_rank, num_sequences=len(kept), num_trained_tokens=sum(trained), skipped=skipped)
+
+
+def is_trainable(t: Trajectory, advantage: float | None) -> bool:
+    """Whether the trajectory has a trained target token and an advantage (failed episodes have none)."""
+    return advantage is not None and len(t.tokens) >= 2 and any(t.loss_mask[1:])
+
+
+def mini_batch_indices(trajectories: Sequence[Trajectory], advantages: Sequence[float | None],
+                       parts: int) -> list[list[int]]:
+    """Splits a step's batch into at most `parts` PPO mini-batches of whole groups (positions in the list).
+
+    Groups keep their order of first appearance and are cut into contiguous runs of nearly equal group counts;
+    groups with no trainable member ride along in the first mini-batch (plan_step reports them as skipped), so no
+    mini-batch is without a trained token and none is lost.
+    """
+    members: dict[str, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        members.setdefault(t.group_id, []).append(i)
+    trainable = [g for g in members.values() if any(is_trainable(trajectories[i], advantages[i]) for i in g)]
+    idle = [i for g in members.values() if g not in trainable for i in g]
+    n = max(1, min(parts, len(trainable)))
+    bounds = [k * len(trainable) // n for k in range(n + 1)]
+    out = [[i for g in trainable[bounds[k]:bounds[k + 1]] for i in g] for k in range(n)]
+    out[0] = sorted(out[0] + idle)
+    return out
 
 
 def pack(trajectories: Sequence[Trajectory], indices: Sequence[int], advantages: Sequence[float],

@@ -59,4 +59,5 @@ def micro_batch_loss(forward: Forward, micro: MicroBatch, config: LossConfig,
                        infer_T=micro.infer_logprobs_T.to(device), adv_T=micro.advantages_T.to(device),
                        weights_T=micro.weights_T.to(device), mask_T=micro.loss_mask_T.to(device),
                        seq_T=micro.seq_index_T.to(device), num_seqs=micro.num_sequences, config=config,
-                       ref_T=None if ref is None else ref.float())
+                       ref_T=None if ref is None else ref.float(),
+                       recorded_old_T=None if micro.old_logprobs_T is None else micro.old_logprobs_T.to(device))

@@ -11,13 +11,14 @@ Per target token:
              normalised over the *whole* step batch, so the loss of a step is the plain sum of the micro-batches'
              losses on every rank, however the batch was packed or split.
 
-PPO ratio: r_t = exp(logp_t − old_t). `old_logprobs="current"` takes old_t = sg(logp_t): the trainer makes one
-optimizer step per batch, so the policy before the step *is* π_old; r is 1 in value and PPO-clip reduces to the
-policy gradient A·∇logp (as GRPO with one update per batch does). `old_logprobs="inference"` takes old_t = infer_t,
+PPO ratio: r_t = exp(logp_t − old_t). `old_logprobs="current"` takes old_t = the trainer's log-prob before the step's
+first update: with one optimizer step per batch that is sg(logp_t), r is 1 in value and PPO-clip reduces to the
+policy gradient A·∇logp (as GRPO with one update per batch does); with `mini_batches` > 1 the trainer records it in a
+no-grad pass before the first mini-batch, and from the second mini-batch on r moves and the clip bounds the update. `old_logprobs="inference"` takes old_t = infer_t,
 the behaviour policy: the ratio then also spans the policy lag of asynchronous rollouts and the clip bounds it.
 
-Training/inference mismatch: m_t = exp(sg(logp_t) − infer_t), the trainer's probability of the token under the
-pre-step weights over the engine's (kernels, precision, MoE routing and policy lag all move it away from 1).
+Training/inference mismatch: m_t = exp(pre_t − infer_t), the trainer's probability of the token under the
+pre-step weights (pre_t: sg(logp_t), or the recorded old_t with mini-batches) over the engine's (kernels, precision, MoE routing and policy lag all move it away from 1).
     TIS    (truncated importance sampling): each token's loss is weighted by min(m_t, C).
     IcePop: tokens with m_t outside [lo, hi] are dropped from the loss (masked, not weighted).
 With `old_logprobs="inference"` the ratio already is π_θ/π_infer, so TIS on top would weight twice: rejected.
@@ -69,6 +70,8 @@ class LossConfig:
         old_logprobs: "current" (π_old = the pre-step trainer policy) or "inference" (the recorded behaviour policy).
         tis_cap: C of truncated importance sampling against the inference log-probs (None: off).
         icepop_band: (lo, hi): drop tokens whose π_train/π_infer is outside; (1/β, β) in IcePop's terms (None: off).
+        mini_batches: PPO mini-batches: the step's batch is split, whole groups each, into this many parts with one
+            optimizer step each (advantages are computed over the whole batch first). 1: one step per batch.
         kl_coef: weight of the k3 KL to the reference policy (the initial weights, or the warm-started ones after an
             SFT warm start: PolicyTrainer.reset_reference); 0 keeps no reference model.
         entropy_coef: weight of the entropy bonus.
@@ -83,6 +86,7 @@ class LossConfig:
     old_logprobs: str = "current"
     tis_cap: float | None = None
     icepop_band: tuple[float, float] | None = None
+    mini_batches: int = 1
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
 
@@ -107,6 +111,8 @@ class LossConfig:
             lo, hi = self.icepop_band
             if not 0 <= lo < 1 < hi:
                 raise ValueError(f"LossConfig.icepop_band must satisfy 0 <= lo < 1 < hi, got {self.icepop_band}")
+        if self.mini_batches < 1:
+            raise ValueError(f"LossConfig.mini_batches must be >= 1, got {self.mini_batches}")
         if self.kl_coef < 0:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
@@ -153,10 +159,11 @@ def aggregation_weights(num_masked_per_seq: Sequence[int], aggregation: str,
     raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
 
 
-def mismatch_correction(logp_T: torch.Tensor, infer_T: torch.Tensor, mask_T: torch.Tensor,
+def mismatch_correction(pre_T: torch.Tensor, infer_T: torch.Tensor, mask_T: torch.Tensor,
                         config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Token-level TIS weights c_t and IcePop keep-mask from m_t = exp(sg(logp_t) − infer_t). Both detached."""
-    log_m = logp_T.detach() - infer_T
+    """Token-level TIS weights c_t and IcePop keep-mask from m_t = exp(pre_t − infer_t), pre_t the trainer's log-prob
+    before the step's first update. Both detached."""
+    log_m = pre_T.detach() - infer_T
     m = log_m.exp()
     ones = torch.ones_like(m)
     tis = torch.clamp(m, max=config.tis_cap) if config.tis_cap is not None else ones
@@ -223,17 +230,23 @@ def k3_kl(logp_T: torch.Tensor, ref_T: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(*, logp_T: torch.Tensor, entropy_T: torch.Tensor | None, infer_T: torch.Tensor,
                 adv_T: torch.Tensor, weights_T: torch.Tensor, mask_T: torch.Tensor, seq_T: torch.Tensor,
-                num_seqs: int, config: LossConfig, ref_T: torch.Tensor | None = None) -> LossOutput:
-    """The configured objective on one micro-batch (all tensors [T], fp32; mask_T bool; seq_T long)."""
+                num_seqs: int, config: LossConfig, ref_T: torch.Tensor | None = None,
+                recorded_old_T: torch.Tensor | None = None) -> LossOutput:
+    """The configured objective on one micro-batch (all tensors [T], fp32; mask_T bool; seq_T long).
+
+    `recorded_old_T`: the trainer's log-probs before the step's first update, recorded when the step makes several
+    optimizer steps (mini-batches); None: the step makes one, and they are sg(logp_T).
+    """
     weights_T = weights_T * mask_T
     sums: dict[str, float] = {"tokens": float(mask_T.sum())}
     if config.kind == "sft":
         loss = -(weights_T * logp_T).sum()
         sums["nll"] = float(-(logp_T.detach() * mask_T).sum())
     else:
-        tis_T, keep_T, mismatch = mismatch_correction(logp_T, infer_T, mask_T, config)
+        pre_T = logp_T.detach() if recorded_old_T is None else recorded_old_T
+        tis_T, keep_T, mismatch = mismatch_correction(pre_T, infer_T, mask_T, config)
         sums.update(mismatch)
-        old_T = logp_T.detach() if config.old_logprobs == "current" else infer_T
+        old_T = pre_T if config.old_logprobs == "current" else infer_T
         if config.kind == "ppo":
             loss, extra = ppo_token_loss(logp_T, old_T, adv_T, weights_T, mask_T, tis_T, keep_T,
                                          config.eps_low, config.eps_high)

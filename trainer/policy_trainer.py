@@ -47,7 +47,7 @@ from agentrl.model.expert_parallel import (
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.net import free_port
 from agentrl.trainer import zero
-from agentrl.trainer.batching import pack, plan_step
+from agentrl.trainer.batching import MicroBatch, mini_batch_indices, pack, plan_step
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
@@ -120,15 +120,16 @@ class PolicyTrainer:
                                        zero3_param_persistence_threshold=config.zero3_param_persistence_threshold)
         self.engine = zero.initialize(self.module, optimizer, ds_config, scheduler)
         self.global_step = 0
-        self.version = 0  # policy version: optimizer steps taken since the initial weights
+        self.version = 0  # policy version: training steps (batches) taken since the initial weights
 
     # --- training -------------------------------------------------------------------------------------------------
     def step(self, trajectories: Sequence[Trajectory], loss: LossConfig | None = None) -> dict[str, float]:
-        """One optimizer step on a batch (the same list on every rank); returns metrics summed over the ranks.
+        """One training step on a batch (the same list on every rank); returns metrics summed over the ranks.
 
-        `loss` overrides the configured objective for this step, e.g. LossConfig(kind="sft") for a warm start
-        before RL with the same trainer (a KL term needs the configured loss to have kl_coef > 0: that is what
-        builds the reference model).
+        The step makes `loss.mini_batches` optimizer steps (PPO mini-batches of whole groups; one by default) and
+        counts as one policy version. `loss` overrides the configured objective for this step, e.g.
+        LossConfig(kind="sft") for a warm start before RL with the same trainer (a KL term needs the configured
+        loss to have kl_coef > 0: that is what builds the reference model).
         """
         start = time.perf_counter()
         self.ep_stats.reset()
@@ -141,23 +142,32 @@ class PolicyTrainer:
         else:
             advantages = grpo_advantages(trajectories, normalize_std=loss_cfg.normalize_adv_std)
         trajectories = self._maybe_without_routing(trajectories)
-        plan = plan_step(trajectories, advantages, world_size=self.world_size,
-                         token_budget=self.config.micro_batch_tokens, aggregation=loss_cfg.aggregation,
-                         norm_constant=loss_cfg.norm_constant, num_moe_layers=len(self.policy.moe_layers))
+        plans = []
+        for part in mini_batch_indices(trajectories, advantages, loss_cfg.mini_batches):
+            plans.append(plan_step([trajectories[i] for i in part], [advantages[i] for i in part],
+                                   world_size=self.world_size, token_budget=self.config.micro_batch_tokens,
+                                   aggregation=loss_cfg.aggregation, norm_constant=loss_cfg.norm_constant,
+                                   num_moe_layers=len(self.policy.moe_layers)))
+        if len(plans) > 1 and loss_cfg.kind != "sft":
+            self._record_old_logprobs([m for plan in plans for m in plan.per_rank[self.rank]])
         self.engine.train()
         sums: Counter[str] = Counter()
-        micro_batches = plan.per_rank[self.rank]
-        for micro in micro_batches:
-            with self._routers_observe(not micro.is_padding):
-                out = micro_batch_loss(self.engine, micro, loss_cfg, reference=self.reference, device=self.device)
-                self.engine.backward(out.loss * self.world_size)
-            sums.update(out.sums)
-            sums["loss"] += float(out.loss.detach())
-            if not micro.is_padding:
-                sums["packed_tokens"] += micro.num_tokens
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        loads = self.policy.update_expert_bias(all_reduce=zero.all_reduce_sum)
+        grad_norms, loads = [], {}
+        for plan in plans:
+            for micro in plan.per_rank[self.rank]:
+                with self._routers_observe(not micro.is_padding):
+                    out = micro_batch_loss(self.engine, micro, loss_cfg, reference=self.reference,
+                                           device=self.device)
+                    self.engine.backward(out.loss * self.world_size)
+                sums.update(out.sums)
+                sums["loss"] += float(out.loss.detach())
+                sums["micro_batches"] += 1
+                if not micro.is_padding:
+                    sums["packed_tokens"] += micro.num_tokens
+            self.engine.step()
+            grad_norm = self.engine.get_global_grad_norm()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            loads = self.policy.update_expert_bias(all_reduce=zero.all_reduce_sum)
         self.global_step += 1
         self.version += 1
         seconds = time.perf_counter() - start
@@ -165,12 +175,15 @@ class PolicyTrainer:
             sums.update({"ep/all_to_all_s": self.ep_stats.all_to_all_s,
                          "ep/count_exchange_s": self.ep_stats.count_exchange_s, "ep/step_s": seconds,
                          "ep/rows_sent": self.ep_stats.rows_sent, "ep/rows_kept": self.ep_stats.rows_kept})
+        micro_batches = int(sums["micro_batches"])  # this rank's: equal on every rank
         totals = self._sum_over_ranks(sums)
         metrics = _loss_metrics(totals, loss_cfg)
+        # each mini-batch's loss is a mean over its own sequences: the step's loss is their mean
+        metrics.update(loss=metrics["loss"] / len(plans), pg_loss=metrics["pg_loss"] / len(plans))
         metrics.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            lr=float(self.engine.get_lr()[0]), step=self.global_step, version=self.version,
-            num_sequences=plan.num_sequences, num_skipped=len(plan.skipped), micro_batches=len(micro_batches),
+            grad_norm=float(np.mean(grad_norms)), lr=float(self.engine.get_lr()[0]), step=self.global_step,
+            version=self.version, optimizer_steps=len(plans), num_sequences=sum(p.num_sequences for p in plans),
+            num_skipped=sum(len(p.skipped) for p in plans), micro_batches=micro_batches,
             packed_tokens=totals["packed_tokens"], step_s=seconds, tokens_per_s=totals["packed_tokens"] / seconds)
         if loads:
             metrics["expert_load_max_over_mean"] = max(loads.values())
@@ -178,6 +191,20 @@ class PolicyTrainer:
         if self.ep_size > 1:
             metrics.update(self._expert_parallel_metrics(totals))
         return metrics
+
+    @torch.no_grad()
+    def _record_old_logprobs(self, micro_batches: Sequence[MicroBatch]) -> None:
+        """π_old of a step with several optimizer steps: every micro-batch's target log-probs under the weights
+        before the first one (a no-grad pass, routers not observing; collective like training)."""
+        self.engine.eval()
+        for micro in micro_batches:
+            with self._routers_observe(False):
+                args = (micro.input_ids_T.to(self.device), micro.cu_seqlens.to(self.device),
+                        micro.target_ids_T.to(self.device),
+                        None if micro.forced_experts_TLK is None else micro.forced_experts_TLK.to(self.device))
+                logp, _ = self.engine(*args)
+            micro.old_logprobs_T = logp.float().cpu()
+        self.engine.train()
 
     @torch.no_grad()
     def reset_reference(self) -> None:

@@ -1,4 +1,5 @@
-"""The plain PolicyTrainer without Ray: one rank, ZeRO-2, supervised warm start (SFT) on oracle trajectories."""
+"""The plain PolicyTrainer without Ray: one rank, ZeRO-2: supervised warm start (SFT) on oracle trajectories, and
+PPO mini-batches (several optimizer steps per batch against the recorded pre-step policy)."""
 
 import numpy as np
 import pytest
@@ -60,5 +61,38 @@ def test_after_a_warm_start_the_kl_reference_is_the_warm_started_policy(model_di
         assert trainer.step(batch)["kl"] > 1e-3  # measured against the initial weights, far from the SFT policy
         trainer.reset_reference()
         assert trainer.step(batch)["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy again
+    finally:
+        trainer.close()
+
+
+def test_mini_batches_step_several_times_against_the_recorded_pre_step_policy(model_dir, tmp_path):  # noqa: F811
+    cfg = TrainerConfig(run_dir=str(tmp_path), zero_stage=2, lr=3e-3, micro_batch_tokens=64, num_threads=1,
+                        gradient_checkpointing=False, loss=LossConfig(mini_batches=2))
+    trainer = PolicyTrainer(cfg, model_dir)
+    try:
+        batch = [oracle(i, np.random.default_rng(i)) for i in range(16)]
+        for t in batch:
+            t.reward = float(int(t.trajectory_id[1:]) % 3 == 0)
+            t.group_id = f"g{int(t.trajectory_id[1:]) // 4}"  # four groups of four, rewards spread in each
+        before = {tuple(t.tokens[:-1]): lp[1:] for t, lp in zip(batch, trainer.logprobs(batch))}
+        recorded = []
+        record = trainer._record_old_logprobs
+        trainer._record_old_logprobs = lambda micro_batches: (record(micro_batches), recorded.extend(micro_batches))
+        m = trainer.step(batch)
+        assert m["optimizer_steps"] == 2 and m["version"] == 1 and m["num_sequences"] == 16
+        assert m["micro_batches"] >= 2
+        # π_old of every trained token is the policy before the first update, whichever mini-batch it trains in
+        seen = 0
+        for micro in recorded:
+            cu = micro.cu_seqlens.tolist()
+            for j in range(len(cu) - 1):
+                want = before[tuple(micro.input_ids_T[cu[j]:cu[j + 1]].tolist())]
+                assert micro.old_logprobs_T[cu[j]:cu[j + 1]].numpy() == pytest.approx(want, abs=1e-5)
+                seen += 1
+        assert seen == 16
+        # the second mini-batch trains a moved policy: its ratios leave 1 (the one-update step's are exactly 1)
+        assert abs(m["ratio_mean"] - 1.0) > 1e-4
+        single = trainer.step(batch, LossConfig())
+        assert single["optimizer_steps"] == 1 and single["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     finally:
         trainer.close()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.trainer.batching import pack, plan_step
+from agentrl.trainer.batching import mini_batch_indices, pack, plan_step
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages
 from agentrl.types import Trajectory
@@ -144,3 +144,22 @@ def test_kl_term_uses_the_frozen_reference_forward():
     kl_mean = moved.sums["kl"] / moved.sums["tokens"]
     assert kl_mean > 0.01
     assert moved.loss.item() - without.loss.item() == pytest.approx(0.5 * kl_mean, rel=1e-4)
+
+
+def test_mini_batches_hold_whole_groups_and_lose_no_trajectory():
+    batch = [make_traj(g * 4 + m, 12, group=f"g{g}", reward=float(m % 2)) for g in range(5) for m in range(4)]
+    advantages = grpo_advantages(batch, normalize_std=True)
+    parts = mini_batch_indices(batch, advantages, 2)
+    assert [sorted({batch[i].group_id for i in p}) for p in parts] == [["g0", "g1"], ["g2", "g3", "g4"]]
+    assert sorted(i for p in parts for i in p) == list(range(20))
+    assert mini_batch_indices(batch, advantages, 1) == [list(range(20))]
+    assert len(mini_batch_indices(batch, advantages, 9)) == 5  # never more mini-batches than groups
+    # a group without a trained member (its episodes failed: no advantage) rides in the first mini-batch
+    failed = {4, 5, 6, 7}
+    advantages = [None if i in failed else a for i, a in enumerate(advantages)]
+    parts = mini_batch_indices(batch, advantages, 4)
+    assert len(parts) == 4 and failed <= set(parts[0])
+    assert sorted(i for p in parts for i in p) == list(range(20))
+    for p in parts:  # every mini-batch plans (has a trained token)
+        plan_step([batch[i] for i in p], [advantages[i] for i in p], world_size=1, token_budget=64,
+                  aggregation="token-mean")

@@ -17,12 +17,13 @@ SEQ = [0, 0, 0, 1, 1, 1]
 W = [0.2, 0.2, 0.0, 0.2, 0.2, 0.2]  # token-mean over 5 trained tokens
 
 
-def run(config: LossConfig, ref=None, entropy=None):
+def run(config: LossConfig, ref=None, entropy=None, old=None):
     logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
     out = policy_loss(logp_T=logp, entropy_T=entropy, infer_T=torch.tensor(INFER, dtype=torch.float64),
                       adv_T=torch.tensor(ADV, dtype=torch.float64), weights_T=torch.tensor(W, dtype=torch.float64),
                       mask_T=torch.tensor(MASK, dtype=torch.bool), seq_T=torch.tensor(SEQ), num_seqs=2,
-                      config=config, ref_T=None if ref is None else torch.tensor(ref, dtype=torch.float64))
+                      config=config, ref_T=None if ref is None else torch.tensor(ref, dtype=torch.float64),
+                      recorded_old_T=None if old is None else torch.tensor(old, dtype=torch.float64))
     out.loss.backward()
     return out, logp.grad.tolist()
 
@@ -50,6 +51,31 @@ def test_on_policy_grpo_is_the_plain_policy_gradient():
     assert out.loss.item() == pytest.approx(-sum(w * m * a for w, m, a in zip(W, MASK, ADV)), abs=1e-12)
     assert grad == pytest.approx([-w * m * a for w, m, a in zip(W, MASK, ADV)], abs=1e-12)
     assert out.sums["clipped"] == 0
+
+
+def test_a_recorded_old_policy_is_pi_old_of_the_ratio_and_of_the_mismatch():
+    # a later PPO mini-batch: the policy moved since the step's first update, π_old is the recorded pre-step policy
+    old = [lp - d for lp, d in zip(LOGP, (0.3, -0.1, 0.0, -0.4, 0.05, 0.0))]
+    eps_low, eps_high, cap = 0.2, 0.28, 1.5
+    out, grad = run(LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=cap), old=old)
+    loss, want_grad, tis_truncated, clipped = 0.0, [], 0, 0
+    for lp, o, inf, a, m, w in zip(LOGP, old, INFER, ADV, MASK, W):
+        r, c = math.exp(lp - o), min(math.exp(o - inf), cap)  # TIS measures the pre-step policy, not the drift
+        tis_truncated += int(m and math.exp(o - inf) > cap)
+        unclipped, clip = r * a, min(max(r, 1 - eps_low), 1 + eps_high) * a
+        loss += -w * m * c * min(unclipped, clip)
+        clipped += int(m and clip < unclipped)
+        want_grad.append(0.0 if (not m or clip < unclipped) else -w * c * a * r)
+    assert out.loss.item() == pytest.approx(loss, abs=1e-12)
+    assert grad == pytest.approx(want_grad, abs=1e-12)
+    assert out.sums["tis_truncated"] == tis_truncated > 0
+    # token 0: r = e^0.3 > 1.28 with A > 0; token 3: r = e^-0.4 < 0.8 with A < 0
+    assert out.sums["clipped"] == clipped == 2
+    # recorded equal to the forward's own log-probs, it is the one-update step exactly
+    same, same_grad = run(LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=cap), old=LOGP)
+    plain, plain_grad = run(LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=cap))
+    assert same.loss.item() == pytest.approx(plain.loss.item(), abs=1e-12)
+    assert same_grad == pytest.approx(plain_grad, abs=1e-12)
 
 
 def test_gspo_sequence_ratio_loss_and_gradient():
@@ -164,6 +190,7 @@ def test_group_advantages_with_and_without_std_and_failed_members():
     (dict(aggregation="seq-mean-token-sum-norm"), "norm_constant"), (dict(tis_cap=0.0), "tis_cap"),
     (dict(tis_cap=2.0, old_logprobs="inference"), "twice"), (dict(icepop_band=(1.2, 2.0)), "icepop_band"),
     (dict(old_logprobs="engine"), "old_logprobs"), (dict(eps_low=-0.1), "clip"), (dict(kl_coef=-1.0), "kl_coef"),
+    (dict(mini_batches=0), "mini_batches"),
 ])
 def test_config_errors_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
