@@ -40,14 +40,18 @@ def check(checkpoint_dir: str) -> dict:
     os.environ.setdefault("VLLM_ENABLE_GEMM_RS", "0")
     _stub_cuda_streams()
     import torch
-    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from agentrl.model.checkpoint import load_checkpoint_tensors
 
     model_config = ModelConfig(model=checkpoint_dir, tokenizer=None, skip_tokenizer_init=True, dtype="float32",
                                max_model_len=256, enforce_eager=True)
-    vllm_config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="safetensors"))
+    # Prefix caching off from the start: on a CPU without AMX vLLM turns it off for MLA models only after the hybrid
+    # (KDA) config step has sized the KDA state blocks for it, and then refuses its own config (seen on a Xeon
+    # without AMX; one with AMX keeps prefix caching on). Loading weights needs no cache at all.
+    vllm_config = VllmConfig(model_config=model_config, cache_config=CacheConfig(enable_prefix_caching=False),
+                             load_config=LoadConfig(load_format="safetensors"))
     from vllm.models.kimi_k3 import KimiLinearForCausalLM
 
     if not torch.cuda.is_available():
