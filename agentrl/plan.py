@@ -597,6 +597,26 @@ def step_time(cfg, layout: Layout, cluster: Cluster, workload: Workload, mfu: fl
                     context_parallel_s=slowest["cp"], bubble_s=bubble, tokens_per_step=workload.tokens_per_step)
 
 
+def weight_gather_s(cfg, layout: Layout, cluster: Cluster) -> float:
+    """Publishing's gather: the full bf16 weights onto one rank (`PolicyTrainer.full_state_dict`), link-bound.
+
+    What that rank does not hold arrives over its link: the other stages' parameters, the routed experts of the other
+    EP ranks, and under ZeRO-3 the other DP·CP shards (of the experts: the other expert-DP shards). Transfers into
+    one GPU, at COLLECTIVE_EFFICIENCY of NVLink inside a node, of its NIC share across nodes. It leaves out the
+    copies to host memory and the per-tensor overheads of an implementation.
+    """
+    cfg = ModelShape.of(cfg)
+    counts = count_parameters(cfg)
+    expert = counts.total["routed_experts"]
+    dense = counts.num_total - expert
+    sharded = layout.zero == 3
+    held = (dense / layout.pp / (layout.dp * layout.cp if sharded else 1)
+            + expert / layout.pp / layout.ep / (layout.expert_dp if sharded else 1))
+    bw = (cluster.inter_node_bytes_s_per_gpu if layout.num_gpus > cluster.gpus_per_node
+          else cluster.intra_node_gbytes_s * 1e9)
+    return (counts.num_total - held) * BYTES_WEIGHT / (bw * COLLECTIVE_EFFICIENCY)
+
+
 # --- rollout (decode) -------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class Decode:
@@ -694,6 +714,7 @@ class Plan:
     layout: Layout
     memory: Memory
     time: StepTime
+    weight_gather_s: float  # publishing: the full weights gathered onto one rank (weight_gather_s)
     decode: Decode | None
     activation_scale: float  # measured / modelled activation memory on the calibration preset
     notes: list[str] = field(default_factory=list)
@@ -704,6 +725,7 @@ class Plan:
         out["params"].update(num_total=self.params.num_total, num_active=self.params.num_active)
         out["memory"]["total"] = self.memory.total
         out["time"]["total_s"] = self.time.total_s
+        out["weight_gather_s"] = self.weight_gather_s
         out["decode"] = None if self.decode is None else dict(asdict(self.decode),
                                                               tokens_per_s=self.decode.tokens_per_s)
         out["activation_scale"] = self.activation_scale
@@ -800,7 +822,8 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
         except ValueError as exc:
             notes.append(f"rollout: {exc}")
     return Plan(params=count_parameters(cfg), cluster=cluster, workload=workload, layout=layout, memory=mem, time=t,
-                decode=decode, activation_scale=act_scale, notes=notes)
+                weight_gather_s=weight_gather_s(cfg, layout, cluster), decode=decode, activation_scale=act_scale,
+                notes=notes)
 
 
 def smallest_cluster(cfg, workload: Workload, fixed: dict[str, int] | None = None, mfu: float | None = None,
@@ -883,6 +906,10 @@ def format_plan(plan: Plan, name: str) -> str:
         lines.append(f"  {label:32s} {value:9.3f} s")
     lines.append(f"  {'step':32s} {t.total_s:9.3f} s  = {tokens_s:,.0f} tokens/s "
                  f"({tokens_s / c.num_gpus:,.0f} per GPU)")
+    fits_one = p.num_total * BYTES_WEIGHT <= c.usable_bytes
+    lines.append(f"  {'publish: gather weights to one':32s} {plan.weight_gather_s:9.3f} s  (link-bound"
+                 + (")" if fits_one else f"; {p.num_total * BYTES_WEIGHT / GiB:,.0f} GiB of bf16 weights do not "
+                    f"fit one GPU: publishing at this size must stream or reshard)"))
     d = plan.decode
     if d is not None:
         lines += ["", f"rollout (decode at {w.context:,} tokens of context; assumed efficiencies, not calibrated)",

@@ -15,6 +15,13 @@ Ranks are PolicyTrainer processes (no Ray): spawned here with gloo on CPU, or la
 
 Each degree builds a fresh trainer from the same seed; the first two steps are warm-up. `--store RUN_DIR` trains on
 the trajectories a run stored (e.g. `agentrl run` of a built-in env) instead of synthetic ones.
+
+On GPUs a second table sets each row beside `agentrl plan`'s prediction for the same layout (DP = ranks, the EP
+degree, ZeRO-2, one node of H200s, the run's micro-batch and tokens per step, gradient checkpointing on as the
+trainer here runs it): tokens/s per GPU, the all-to-all share, Quantile Balancing's load per EP rank (the plan
+assumes 1.00) and the weight gather. `--plan-compare` prints it on CPU too (the plan is calibrated on H200s: the
+figures are then not comparable). The plan prices every sequence at the longest length (`--length`), an upper
+bound on attention for this mix of lengths.
 """
 
 from __future__ import annotations
@@ -136,10 +143,41 @@ def print_table(results: list[dict], args, world: int) -> None:
               f"{r['qb_expert']:.2f} | {r['qb_rank']:.2f} | {r['gather_s']:.3f} |")
 
 
+def plan_prediction(args, ep: int, world: int, tokens_per_step: float) -> dict:
+    """`agentrl plan`'s figures for the layout and workload this benchmark ran."""
+    from agentrl import plan
+
+    model = preset_config(args.preset, num_experts=args.experts, num_experts_per_token=args.top_k,
+                          **({"vocab_size": args.vocab} if args.vocab else {}))
+    layout = plan.Layout(dp=world, ep=ep, zero=2)
+    cluster = plan.Cluster(num_gpus=world, gpus_per_node=max(world, 8))
+    workload = plan.Workload(context=args.length, micro_batch_tokens=args.micro_batch_tokens,
+                             tokens_per_step=max(1, round(tokens_per_step)), gradient_checkpointing=True)
+    plan.check_layout(model, layout, cluster, workload)
+    t = plan.step_time(model, layout, cluster, workload)
+    return {"tokens/s/gpu": t.tokens_per_step / t.total_s / world, "a2a_share": t.expert_all_to_all_s / t.total_s,
+            "gather_s": plan.weight_gather_s(model, layout, cluster)}
+
+
+def print_plan_comparison(results: list[dict], args, world: int) -> None:
+    print(f"\nmeasured against `agentrl plan` for the same layout (DP {world}, ZeRO-2, "
+          f"{'H200s' if torch.cuda.is_available() else 'H200s; this run was on CPU: not comparable'})")
+    print("| EP | tokens/s/GPU measured | plan | measured / plan | all-to-all share measured | plan | "
+          "QB max/mean per EP rank measured | plan | weight gather s measured | plan |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        p = plan_prediction(args, r["ep"], world, r["tokens/step"])
+        print(f"| {r['ep']} | {r['tokens/s/rank']:.0f} | {p['tokens/s/gpu']:.0f} | "
+              f"{r['tokens/s/rank'] / p['tokens/s/gpu']:.2f} | {100 * r['a2a_share']:.1f}% | "
+              f"{100 * p['a2a_share']:.1f}% | {r['qb_rank']:.2f} | 1.00 | {r['gather_s']:.3f} | {p['gather_s']:.4f} |")
+
+
 def run_all(rank: int, world: int, local_rank: int, port: int, args) -> None:
     results = [bench_one(args, ep, rank, world, local_rank, port) for ep in args.ep]
     if rank == 0:
         print_table(results, args, world)
+        if args.plan_compare or torch.cuda.is_available():
+            print_plan_comparison(results, args, world)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -161,6 +199,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's; stored tokens must fit)")
     parser.add_argument("--store", help="a run directory whose trajectory store supplies the batches (cycled)")
+    parser.add_argument("--plan-compare", action="store_true",
+                        help="print the comparison with `agentrl plan` on CPU too (always on GPUs)")
     args = parser.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         run_all(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),

@@ -10,6 +10,7 @@ from agentrl.cli import main
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.plan import (
+    COLLECTIVE_EFFICIENCY,
     BYTES_GRAD,
     BYTES_OPTIMIZER,
     BYTES_WEIGHT,
@@ -30,6 +31,7 @@ from agentrl.plan import (
     memory_per_gpu,
     smallest_cluster,
     step_time,
+    weight_gather_s,
     trainer_supports,
 )
 
@@ -171,6 +173,25 @@ def test_step_time_accounting():
     piped = step_time(small, Layout(pp=2, dp=4), Cluster(num_gpus=8), work, mfu=0.1)
     # 1F1B: 2^20 tokens / (4 replicas × 4096) = 64 micro-batches, the bubble is one more micro-batch per extra stage
     assert piped.bubble_s == pytest.approx(piped.compute_s / 64, rel=0.02)
+
+
+def test_weight_gather_by_hand():
+    small = preset_config("small", num_experts=64, num_experts_per_token=4)
+    counts = count_parameters(small)
+    expert = counts.total["routed_experts"]
+    dense = counts.num_total - expert
+    nvlink = Cluster(num_gpus=8).intra_node_gbytes_s * 1e9 * COLLECTIVE_EFFICIENCY
+    assert weight_gather_s(small, Layout(dp=8, zero=2), Cluster(num_gpus=8)) == 0.0  # rank 0 holds it all
+    # EP 8 under ZeRO-2: the other seven eighths of the routed experts arrive
+    assert weight_gather_s(small, Layout(dp=8, ep=8, zero=2), Cluster(num_gpus=8)) == pytest.approx(
+        expert * 7 / 8 * BYTES_WEIGHT / nvlink)
+    # ZeRO-3 with EP 2: 1/8 of the dense weights and 1/2 · 1/4 of the experts are local
+    assert weight_gather_s(small, Layout(dp=8, ep=2, zero=3), Cluster(num_gpus=8)) == pytest.approx(
+        (dense * 7 / 8 + expert * 7 / 8) * BYTES_WEIGHT / nvlink)
+    # across nodes the gathering GPU's NIC share bounds it
+    two_nodes = Cluster(num_gpus=16)
+    assert weight_gather_s(small, Layout(dp=16, ep=16, zero=2), two_nodes) == pytest.approx(
+        expert * 15 / 16 * BYTES_WEIGHT / (two_nodes.inter_node_bytes_s_per_gpu * COLLECTIVE_EFFICIENCY))
 
 
 def test_decode_state_by_hand():
