@@ -6,8 +6,9 @@
     python scripts/bench_gpu.py memory       # peak memory vs sequence length (gradient checkpointing on)
     python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
     python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
+    python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
     python scripts/bench_gpu.py profile      # torch.profiler kernel table of one `small` fwd+bwd (--tokens, --out)
-    python scripts/bench_gpu.py all          # throughput, gate, memory, publish
+    python scripts/bench_gpu.py all          # throughput, gate, memory, publish, host
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
 target log-probs; fla's fused linear cross-entropy; transformers' full logits and cross-entropy. MFU is
@@ -401,9 +402,38 @@ def bench_profile(tokens: int, out: str | None) -> None:
     print(text[:6000])
 
 
+# --- the state dict to host memory -----------------------------------------------------------------------------------
+def bench_host() -> None:
+    """What `PolicyTrainer.full_state_dict` pays on rank 0 before writing: every tensor copied to host memory."""
+    from agentrl.trainer.host_copy import to_host
+
+    rows = []
+    for experts in (None, 64):
+        overrides = {} if experts is None else dict(num_experts=experts, num_experts_per_token=4)
+        with torch.device("meta"):
+            shapes = agentrl_small(**overrides).model.state_dict()
+        state = {k: torch.randn(v.shape, device="cuda", dtype=torch.bfloat16) for k, v in shapes.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+        def per_tensor():  # what gather_state_dict did before (one synchronising pageable copy each, then a clone)
+            return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+        got = to_host(state)
+        assert all(torch.equal(got[k], state[k].cpu()) for k in state)
+        label = "`small`" + ("" if experts is None else f", {experts} experts top-4")
+        for name, fn in (("per tensor `.cpu().clone()`", per_tensor), ("bucketed `to_host`", lambda: to_host(state))):
+            sec = median_seconds(fn, 5)
+            rows.append([label, len(state), f"{nbytes / 1e9:.2f}", name, f"{sec * 1e3:.0f}", f"{nbytes / sec / 1e9:.1f}"])
+        del state, got
+        torch.cuda.empty_cache()
+    print("### The bf16 state dict from one H200 to host memory (median of 5 after a warm-up)\n")
+    print(table(["model", "tensors", "GB", "copy", "ms", "GB/s"], rows))
+    print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "profile", "all"])
+    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "host", "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--models", nargs="*", default=None, help="throughput: a subset of agentrl, unfused, fla, "
@@ -418,6 +448,8 @@ def main() -> None:
         bench_memory(tuple(args.tokens)) if args.tokens and args.what == "memory" else bench_memory()
     if args.what in ("publish", "all"):
         bench_publish()
+    if args.what in ("host", "all"):
+        bench_host()
     if args.what == "profile":
         bench_profile(args.tokens[0] if args.tokens else 32768, args.out)
 

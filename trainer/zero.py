@@ -47,6 +47,7 @@ from deepspeed.utils import groups, set_z3_leaf_modules  # noqa: E402
 
 from agentrl.model.kda import KimiDeltaAttention  # noqa: E402
 from agentrl.model.moe import SparseMoE  # noqa: E402
+from agentrl.trainer.host_copy import to_host  # noqa: E402
 
 Z3_LEAF_MODULES = (SparseMoE, KimiDeltaAttention)
 
@@ -164,10 +165,15 @@ def full_parameters(module: nn.Module, *, zero_stage: int) -> Iterator[tuple[str
     """(name, parameter) with the full value readable while it is yielded: under ZeRO-3 one decoder layer is gathered
     at a time, on every rank. Collective under ZeRO-3: every rank must run through it to the end."""
     for group in _param_groups(module):
-        context = (deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None)
-                   if zero_stage == 3 else contextlib.nullcontext())
-        with context:
+        with _gathered(group, zero_stage):
             yield from group
+
+
+def _gathered(group: list[tuple[str, nn.Parameter]], zero_stage: int):
+    """Under ZeRO-3 the group's full parameters, readable inside the context (collective); else nothing to do."""
+    if zero_stage == 3:
+        return deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None)
+    return contextlib.nullcontext()
 
 
 def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
@@ -176,18 +182,20 @@ def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[
     ZeRO-3 parameters are gathered one decoder layer at a time; buffers are replicated and read locally.
     """
     keys = list(module.state_dict(keep_vars=True).keys())
+    persistent = set(keys)
     if zero_stage < 3:
         if rank != 0:
             return None
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return to_host(module.state_dict())
     params: dict[str, torch.Tensor] = {}
-    for name, p in full_parameters(module, zero_stage=zero_stage):
-        if rank == 0:
-            params[name] = p.detach().cpu().clone()
+    for group in _param_groups(module):  # one decoder layer gathered at a time, copied out in one transfer
+        with _gathered(group, zero_stage):
+            if rank == 0:
+                params.update(to_host(dict(group)))
     if rank != 0:
         return None
-    buffers = dict(module.named_buffers())
-    return {k: params[k] if k in params else buffers[k].detach().cpu().clone() for k in keys}
+    buffers = to_host({k: b for k, b in module.named_buffers() if k in persistent and k not in params})
+    return {k: params[k] if k in params else buffers[k] for k in keys}
 
 
 def replica_digest(module: nn.Module, *, zero_stage: int, replace: dict[str, torch.Tensor] | None = None) -> str:
