@@ -423,7 +423,8 @@ def bench_host() -> None:
         label = "`small`" + ("" if experts is None else f", {experts} experts top-4")
         for name, fn in (("per tensor `.cpu().clone()`", per_tensor), ("bucketed `to_host`", lambda: to_host(state))):
             sec = median_seconds(fn, 5)
-            rows.append([label, len(state), f"{nbytes / 1e9:.2f}", name, f"{sec * 1e3:.0f}", f"{nbytes / sec / 1e9:.1f}"])
+            rows.append([label, len(state), f"{nbytes / 1e9:.2f}", name, f"{sec * 1e3:.0f}",
+                         f"{nbytes / sec / 1e9:.1f}"])
         del state, got
         torch.cuda.empty_cache()
     print("### The bf16 state dict from one H200 to host memory (median of 5 after a warm-up)\n")

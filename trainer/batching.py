@@ -52,6 +52,11 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids_T.numel())
 
+    def forward_args(self, device: torch.device | str) -> tuple:
+        """(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK) on `device`: what PackedPolicy takes."""
+        forced = None if self.forced_experts_TLK is None else self.forced_experts_TLK.to(device)
+        return self.input_ids_T.to(device), self.cu_seqlens.to(device), self.target_ids_T.to(device), forced
+
     @property
     def num_sequences(self) -> int:
         return int(self.cu_seqlens.numel()) - 1

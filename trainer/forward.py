@@ -48,8 +48,7 @@ def micro_batch_loss(forward: Forward, micro: MicroBatch, config: LossConfig,
 
     `reference` (a frozen PackedPolicy) supplies the reference log-probs of the KL term when kl_coef > 0.
     """
-    args = (micro.input_ids_T.to(device), micro.cu_seqlens.to(device), micro.target_ids_T.to(device),
-            None if micro.forced_experts_TLK is None else micro.forced_experts_TLK.to(device))
+    args = micro.forward_args(device)
     logp, entropy = forward(*args)
     ref = None
     if reference is not None and config.kl_coef > 0:

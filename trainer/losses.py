@@ -8,17 +8,20 @@ Per target token:
     infer_t  the log-probability the inference engine recorded when it sampled the token (behaviour policy)
     A_t      the sequence's advantage
     w_t      aggregation weight, 0 where the token is not trained (see `aggregation_weights`): the weights are
-             normalised over the *whole* step batch, so the loss of a step is the plain sum of the micro-batches'
-             losses on every rank, however the batch was packed or split.
+             normalised over the *whole* batch of one optimizer step (the step's batch, or one of its PPO
+             mini-batches), so its loss is the plain sum of the micro-batches' losses on every rank, however the
+             batch was packed or split.
 
 PPO ratio: r_t = exp(logp_t − old_t). `old_logprobs="current"` takes old_t = the trainer's log-prob before the step's
 first update: with one optimizer step per batch that is sg(logp_t), r is 1 in value and PPO-clip reduces to the
 policy gradient A·∇logp (as GRPO with one update per batch does); with `mini_batches` > 1 the trainer records it in a
-no-grad pass before the first mini-batch, and from the second mini-batch on r moves and the clip bounds the update. `old_logprobs="inference"` takes old_t = infer_t,
-the behaviour policy: the ratio then also spans the policy lag of asynchronous rollouts and the clip bounds it.
+no-grad pass before the first mini-batch, and from the second mini-batch on r moves and the clip bounds the update.
+`old_logprobs="inference"` takes old_t = infer_t, the behaviour policy: the ratio then also spans the policy lag of
+asynchronous rollouts and the clip bounds it.
 
 Training/inference mismatch: m_t = exp(pre_t − infer_t), the trainer's probability of the token under the
-pre-step weights (pre_t: sg(logp_t), or the recorded old_t with mini-batches) over the engine's (kernels, precision, MoE routing and policy lag all move it away from 1).
+pre-step weights (pre_t: sg(logp_t), or the recorded old_t with mini-batches) over the engine's (kernels,
+precision, MoE routing and policy lag all move it away from 1).
     TIS    (truncated importance sampling): each token's loss is weighted by min(m_t, C).
     IcePop: tokens with m_t outside [lo, hi] are dropped from the loss (masked, not weighted).
 With `old_logprobs="inference"` the ratio already is π_θ/π_infer, so TIS on top would weight twice: rejected.

@@ -195,14 +195,10 @@ class PolicyTrainer:
     @torch.no_grad()
     def _record_old_logprobs(self, micro_batches: Sequence[MicroBatch]) -> None:
         """π_old of a step with several optimizer steps: every micro-batch's target log-probs under the weights
-        before the first one (a no-grad pass, routers not observing; collective like training)."""
-        self.engine.eval()
+        before the first one (a no-grad pass; collective like training)."""
+        self.engine.eval()  # the routers observe only in training mode
         for micro in micro_batches:
-            with self._routers_observe(False):
-                args = (micro.input_ids_T.to(self.device), micro.cu_seqlens.to(self.device),
-                        micro.target_ids_T.to(self.device),
-                        None if micro.forced_experts_TLK is None else micro.forced_experts_TLK.to(self.device))
-                logp, _ = self.engine(*args)
+            logp, _ = self.engine(*micro.forward_args(self.device))
             micro.old_logprobs_T = logp.float().cpu()
         self.engine.train()
 
@@ -241,10 +237,7 @@ class PolicyTrainer:
         for t in trajectories:
             t = t if routing_replay else _without_routing(t)
             micro = pack([t], [0], [0.0], [0.0])
-            args = (micro.input_ids_T.to(self.device), micro.cu_seqlens.to(self.device),
-                    micro.target_ids_T.to(self.device),
-                    None if micro.forced_experts_TLK is None else micro.forced_experts_TLK.to(self.device))
-            logp, _ = self.engine(*args)
+            logp, _ = self.engine(*micro.forward_args(self.device))
             out.append(np.concatenate([[0.0], logp.float().cpu().numpy()]))
         self.engine.train()
         return out
