@@ -7,7 +7,8 @@
     python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
     python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
-    python scripts/bench_gpu.py profile      # torch.profiler kernel table of one `small` fwd+bwd (--tokens, --out)
+    python scripts/bench_gpu.py profile      # wall vs GPU-busy time and torch.profiler kernel tables of one fwd+bwd
+                                             # (--tokens, --models, --out FILE for the full tables)
     python scripts/bench_gpu.py all          # throughput, gate, memory, publish, host
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
@@ -378,28 +379,53 @@ def bench_publish() -> None:
 
 
 # --- profile ------------------------------------------------------------------------------------------------------
-def bench_profile(tokens: int, out: str | None) -> None:
+def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> None:
+    """For each model and length: the step's wall time, its GPU busy time (the sum of kernel times: well below the
+    wall time means the host is the bound) and the kernels that take the GPU's time."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model = agentrl_small().model
-    model = model.to("cuda", torch.bfloat16).train()
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
-    for _ in range(2):
-        agentrl_loss(model, ids).backward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        agentrl_loss(model, ids).backward()
-        torch.cuda.synchronize()
-    avg = prof.key_averages()
-    text = avg.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
-    if out:
-        with open(out, "w") as f:
-            f.write(text)
-            f.write("\n\nby CPU total\n")
-            f.write(avg.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
-    print(f"### Profile of one `small` fwd+bwd at T={tokens}\n")
-    print(text[:6000])
+    summary, texts = [], []
+    for key in models or ["agentrl"]:
+        name, build, loss_fn, fused = MODELS[key]
+        torch.manual_seed(0)
+        built = build()
+        model = built.model.to("cuda", torch.bfloat16).train()
+        previous = layers.set_fused(fused)
+        try:
+            for tokens in tokens_list:
+                ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
+
+                def step():
+                    loss_fn(model, ids).backward()
+                    model.zero_grad(set_to_none=True)
+
+                started = time.perf_counter()
+                print(f"  {name} T={tokens}: warming up (Triton compiles fla's kernels on a cold cache)", flush=True)
+                wall = median_seconds(step, 3)
+                print(f"  {name} T={tokens}: timed after {time.perf_counter() - started:.0f} s", flush=True)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+                avg = prof.key_averages()
+                gpu_us = sum(e.self_device_time_total for e in avg)
+                summary.append([name, tokens, f"{wall * 1e3:.1f}", f"{gpu_us / 1e3:.1f}",
+                                f"{gpu_us / 1e6 / wall * 100:.0f}%"])
+                print(f"  {name} T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms", flush=True)
+                texts.append(f"### {name}, T={tokens}: wall {wall * 1e3:.1f} ms, GPU busy {gpu_us / 1e3:.1f} ms\n\n"
+                             + avg.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=80))
+                texts.append(f"### {name}, T={tokens}, by CPU total\n\n"
+                             + avg.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=80))
+                if out:  # written as it goes: a call stopped at its limit keeps what it measured
+                    with open(out, "w") as f:
+                        f.write("\n\n".join(texts))
+                del ids
+        finally:
+            layers.set_fused(previous)
+        del built, model
+        torch.cuda.empty_cache()
+    print("### Where one fwd+bwd step's time goes (profiled step; wall time: median of 3 unprofiled)\n")
+    print(table(["model", "tokens", "wall ms", "GPU kernels ms", "GPU busy"], summary))
+    print(flush=True)
 
 
 # --- the state dict to host memory -----------------------------------------------------------------------------------
@@ -437,8 +463,8 @@ def main() -> None:
     parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "host", "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--models", nargs="*", default=None, help="throughput: a subset of agentrl, unfused, fla, "
-                        "fla-hybrid, kimi (default all), in the order given")
+    parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of agentrl, "
+                        "unfused, fla, fla-hybrid, kimi (default all; profile: agentrl), in the order given")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "run through the device tool"
     if args.what in ("throughput", "all"):
@@ -452,7 +478,7 @@ def main() -> None:
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "profile":
-        bench_profile(args.tokens[0] if args.tokens else 32768, args.out)
+        bench_profile(tuple(args.tokens) if args.tokens else (4096, 32768), args.models, args.out)
 
 
 if __name__ == "__main__":

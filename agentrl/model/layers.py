@@ -5,9 +5,10 @@ Legend: T = tokens (packed), N = sequences, C = channels, W = convolution width,
 Sequences are packed along T and delimited by `cu_seqlens` ([N+1] offsets), as in FlashAttention and fla; nothing
 here mixes tokens of different sequences.
 
-On CUDA with fla importable (fla-core 0.6.0), the norms and the short convolution run as fla's fused Triton kernels
-(`fla_op`); the PyTorch forms here stay the reference and the CPU path, and tests/gpu compares the two.
-`set_fused(False)` turns the kernels off (scripts/bench_gpu.py measures what they buy).
+On CUDA, RMSNorm runs as torch's fused kernel and, with fla importable (fla-core 0.6.0), the gated norm, l2norm and
+the short convolution as fla's fused Triton kernels (`fla_op`); the PyTorch forms here stay the reference and the
+CPU path, and tests/gpu compares the two. `set_fused(False)` turns the kernels off (scripts/bench_gpu.py measures
+what they buy).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _FUSED = True
 
 
 def set_fused(enabled: bool) -> bool:
-    """Turns fla's fused CUDA kernels on or off for the whole model; returns the previous setting."""
+    """Turns the fused CUDA kernels (fla's, torch's RMSNorm) on or off for the whole model; returns the previous
+    setting."""
     global _FUSED
     previous, _FUSED = _FUSED, enabled
     return previous
@@ -54,9 +56,11 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fla_op(x, "fla.modules.norm.layernorm")
-        if fused is not None and x.dtype == self.weight.dtype:
-            return fused.rms_norm(x, self.weight, None, eps=self.variance_epsilon)
+        if _FUSED and x.is_cuda and x.dtype == self.weight.dtype:
+            # torch's own fused kernel (fp32 inside, like fla's Triton rms_norm, which this used before): one aten
+            # op's host cost instead of fla's Python wrapper (profiled ~0.3 ms fwd + ~0.5 ms bwd per call: 26 norms
+            # were ~1/10 of the host time of the host-bound 4K step on H200, docs/benchmarks.md)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
         return rms_norm_torch(x, self.weight, self.variance_epsilon)
 
 

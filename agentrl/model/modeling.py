@@ -8,7 +8,8 @@ sequences, so training on packed variable-length sequences and plain batches sha
 crosses a sequence boundary (KDA state, convolution, MLA attention).
 
 For training, `forward(..., target_ids=...)` returns per-token log-probabilities of the targets computed chunk by
-chunk with recomputation in the backward pass, so the [T, V] logits of a long sequence never exist at once.
+chunk with a hand-written backward that remakes each chunk's logits, so the [T, V] logits of a long sequence never
+exist at once.
 
 The model never imports torch.distributed: sharding and the bias all-reduce live in the trainer.
 """
@@ -32,7 +33,8 @@ from agentrl.model.layers import MLP, RMSNorm
 from agentrl.model.mla import GatedMLA
 from agentrl.model.moe import SparseMoE
 
-LOGPROB_CHUNK_TOKENS = 1024
+# one log-prob chunk holds at most this many fp32 logits (256 MB): 2048 tokens at a 32K vocabulary, 400 at K3's 160K
+LOGPROB_CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclass(kw_only=True)
@@ -292,31 +294,81 @@ class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
 
 def chunked_token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
                            temperature: float = 1.0, return_entropy: bool = False,
-                           chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(h W^T / τ)[target] per token, chunked over tokens and recomputed in backward.
+                           chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(h Wᵀ / τ)[target] per token (and the entropy of that distribution), chunked over tokens.
 
-    Peak memory holds one chunk's [chunk, V] logits instead of [T, V]. Returns fp32 log-probs [T] (and entropy).
+    Peak memory holds one chunk's [chunk, V] fp32 logits instead of [T, V]: by default chunks of
+    LOGPROB_CHUNK_ELEMENTS / V tokens (2048 at a 32K vocabulary). Returns log-probs [T] (and entropy [T]) in fp32,
+    fp64 for fp64 inputs.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    chunk = chunk_tokens or max(1, LOGPROB_CHUNK_ELEMENTS // weight_VD.shape[0])
+    logprobs, entropy = _ChunkedLogprobs.apply(hidden_TD, weight_VD, targets_T, temperature, return_entropy, chunk)
+    return logprobs, (entropy if return_entropy else None)
 
-    def piece(h, t):
-        logits = F.linear(h, weight_VD).float() / temperature
-        logz = torch.logsumexp(logits, -1)
-        lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz
-        if not return_entropy:
-            return lp, None
-        probs = torch.softmax(logits, -1)
-        return lp, logz - (probs * logits).sum(-1)
 
-    logprobs, entropies = [], []
-    for start in range(0, hidden_TD.shape[0], chunk_tokens):
-        h, t = hidden_TD[start:start + chunk_tokens], targets_T[start:start + chunk_tokens]
-        if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
-            lp, ent = checkpoint(piece, h, t, use_reentrant=False)
-        else:
-            lp, ent = piece(h, t)
-        logprobs.append(lp)
-        if ent is not None:
-            entropies.append(ent)
-    return torch.cat(logprobs), (torch.cat(entropies) if return_entropy else None)
+class _ChunkedLogprobs(torch.autograd.Function):
+    """The log-prob head with a hand-written backward: each chunk's logits are made twice (forward, and again in
+    backward) with ~7 elementwise fp32 passes over them in all, where autograd over a checkpointed chunk ran ~20
+    (forward, recomputation, and each op's backward): those passes were ~1/8 of the `small` step at 32K on H200.
+
+    With z = h Wᵀ / τ, p = softmax(z), lp = z[t] − logsumexp(z) and H = logsumexp(z) − Σ p z:
+        ∂lp/∂z = onehot(t) − p,    ∂H/∂z = −p ⊙ (z − Σ p z),
+    so the incoming gradients (g_lp, g_H) give ∂z = g_lp · onehot(t) − p ⊙ (g_lp + g_H (z − E_p[z])), then
+    ∂h = ∂z W / τ and ∂W = ∂zᵀ h / τ (summed over chunks in fp32 or wider). Only logsumexp and H per token are kept.
+    """
+
+    @staticmethod
+    def _logits(h, weight, temperature):
+        z = F.linear(h, weight).to(torch.promote_types(h.dtype, torch.float32))  # fp32 (fp64 for fp64 inputs)
+        return z.div_(temperature) if temperature != 1.0 else z
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, return_entropy, chunk):
+        num_tokens, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+        logprobs, logz = hidden.new_empty(num_tokens, dtype=dtype), hidden.new_empty(num_tokens, dtype=dtype)
+        entropy = hidden.new_zeros(num_tokens, dtype=dtype)
+        for s in range(0, num_tokens, chunk):
+            z = _ChunkedLogprobs._logits(hidden[s:s + chunk], weight, temperature)
+            lse = torch.logsumexp(z, -1)
+            logz[s:s + chunk] = lse
+            logprobs[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse
+            if return_entropy:
+                p = torch.exp(z - lse[:, None])
+                entropy[s:s + chunk] = lse - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, logz, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, logz, entropy = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=logz.dtype) if need_w else None
+        for s in range(0, hidden.shape[0], chunk):
+            h, lse = hidden[s:s + chunk], logz[s:s + chunk, None]
+            z = _ChunkedLogprobs._logits(h, weight, temperature)
+            g_lp = grad_logprobs[s:s + chunk, None] if grad_logprobs is not None else None
+            if grad_entropy is not None:  # coefficient of −p: g_lp + g_H (z − E_p[z]), E_p[z] = lse − H
+                coef = (z - (lse - entropy[s:s + chunk, None])).mul_(grad_entropy[s:s + chunk, None])
+                if g_lp is not None:
+                    coef.add_(g_lp)
+            else:
+                coef = g_lp
+            grad_z = z.sub_(lse).exp_().mul_(coef).neg_()  # z's storage is reused: z is not needed any more
+            if g_lp is not None:
+                grad_z.scatter_add_(1, targets[s:s + chunk, None], g_lp)
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            grad_z = grad_z.to(hidden.dtype)
+            if need_h:
+                grad_h[s:s + chunk] = grad_z @ weight
+            if need_w:
+                grad_w += (grad_z.t() @ h).float()
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None

@@ -1,8 +1,9 @@
-"""fla's fused CUDA kernels behind the model's layers against their PyTorch references: forward and gradients.
+"""The fused CUDA kernels behind the model's layers against their PyTorch references: forward and gradients.
 
 Run through the device tool with fla-core 0.6.0 carried as a wheel; skipped without CUDA or fla. Each fast path
-(RMSNorm, the gated output norm, l2norm, the short convolution, the AttnRes mix, the KDA gate) is checked on awkward
-shapes, on both fp32 and bf16 inputs, with the reference computed on the same device from the same inputs.
+(RMSNorm: torch's fused kernel; fla's: the gated output norm, l2norm, the short convolution, the AttnRes mix, the KDA
+gate) is checked on awkward shapes, on both fp32 and bf16 inputs, with the reference computed on the same device
+from the same inputs.
 """
 
 import pytest

@@ -88,6 +88,42 @@ def test_token_logprobs_match_full_log_softmax_and_its_gradients():
         chunked_token_logprobs(hidden, weight, targets, temperature=0.0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("uses", ["both", "logprobs", "entropy"])
+def test_log_prob_head_gradients_match_autograd_over_the_full_softmax(temperature, uses):
+    """The hand-written backward of the chunked head against autograd through the whole log-softmax in fp64, for
+    every mix of the two outputs a loss can use (an entropy bonus, the policy term, both), across chunk borders."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    g_lp, g_h = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
+
+    def loss(lp, ent):
+        return ((lp * g_lp).sum() if uses != "entropy" else 0) + ((ent * g_h).sum() if uses != "logprobs" else 0)
+
+    lp, ent = chunked_token_logprobs(hidden, weight, targets, temperature, return_entropy=True, chunk_tokens=8)
+    loss(lp, ent).backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    log_p = torch.log_softmax(hidden @ weight.t() / temperature, -1)
+    ref_lp, ref_ent = log_p.gather(-1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(lp, ref_lp)  # fp64 inputs: the head computes in fp64, so fp64 tolerances
+    torch.testing.assert_close(ent, ref_ent)
+    loss(ref_lp, ref_ent).backward()
+    torch.testing.assert_close(got[0], hidden.grad)
+    torch.testing.assert_close(got[1], weight.grad)
+
+
+def test_log_prob_head_chunks_by_vocabulary_size_and_keeps_no_grad_calls_cheap():
+    hidden, weight = torch.randn(10, 8), torch.randn(30, 8)
+    targets = torch.randint(0, 30, (10,))
+    whole, _ = chunked_token_logprobs(hidden, weight, targets)  # default chunk: all 10 tokens at once
+    pieces, none = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=3)
+    torch.testing.assert_close(whole, pieces)
+    assert none is None and not whole.requires_grad
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     model = tiny_model()
     ids = torch.randint(0, 512, (2, 20))
