@@ -316,7 +316,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
     With z = h Wᵀ / τ, p = softmax(z), lp = z[t] − logsumexp(z) and H = logsumexp(z) − Σ p z:
         ∂lp/∂z = onehot(t) − p,    ∂H/∂z = −p ⊙ (z − Σ p z),
     so the incoming gradients (g_lp, g_H) give ∂z = g_lp · onehot(t) − p ⊙ (g_lp + g_H (z − E_p[z])), then
-    ∂h = ∂z W / τ and ∂W = ∂zᵀ h / τ (summed over chunks in fp32 or wider). Only logsumexp and H per token are kept.
+    ∂h = ∂z W / τ and ∂W = ∂zᵀ h / τ (summed over chunks in fp32 or wider). Only logsumexp and H per token are
+    kept between the passes.
     """
 
     @staticmethod

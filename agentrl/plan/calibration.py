@@ -1,0 +1,44 @@
+"""The numbers `agentrl plan` rests on: those measured on H200s (docs/benchmarks.md) and those assumed."""
+
+from __future__ import annotations
+
+GiB = 1024**3
+
+# ------------------------------------------------------------------------------------------------------------------
+# Calibration: the measured numbers the estimates use, all from docs/benchmarks.md ("The whole model", "GPU (H200)",
+# measured 2026-11-30, fla's fused kernels on). Change them here when the benchmarks are re-measured.
+# ------------------------------------------------------------------------------------------------------------------
+CALIBRATION_PRESET = "small"
+# bf16 forward+backward tokens/s of the `small` preset on one H200, B = 1, gradient checkpointing off ("same run,
+# before and after": fused kernels on). The 4K figure (28,311) is left out: the host bounds it (kernel launches).
+# Two lengths fit two efficiencies: of the matmul work and of MLA's T² attention (see `calibrated_efficiency`).
+SMALL_TRAIN_TOKENS_PER_S = {32768: 128_253, 131072: 83_420}
+# Peak memory above the weights with gradient checkpointing on (fused kernels): marginal bytes per token between
+# 128K and 256K tokens, and the AttnRes path that measurement ran.
+SMALL_ACTIVATION_BYTES_PER_TOKEN = (36.97 - 18.55) * GiB / (262144 - 131072)
+SMALL_ACTIVATION_ATTN_RES_MIX = "fused"
+
+# ------------------------------------------------------------------------------------------------------------------
+# Assumptions (not measured here): the H200's datasheet figures and efficiencies of collectives and decoding.
+# ------------------------------------------------------------------------------------------------------------------
+H200_BF16_TFLOPS = 989.0  # dense bf16 peak (docs/benchmarks.md rounds it to 990)
+H200_HBM_TBPS = 4.8
+USABLE_MEMORY_FRACTION = 0.92  # CUDA context, NCCL buffers, allocator fragmentation take the rest
+BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIMIZER = 2, 2, 12  # bf16 weights and gradients; fp32 master + Adam m, v
+COLLECTIVE_EFFICIENCY = 0.7  # achieved / link bandwidth for NCCL rings and all-to-all
+A2A_LATENCY_S = 30e-6  # fixed cost of one all-to-all (decode is latency-bound)
+DECODE_HBM_EFFICIENCY = 0.6  # achieved / peak HBM bandwidth in a decode step
+DECODE_MFU = 0.3  # achieved / peak FLOP/s of the expert matmuls in a decode step
+DECODE_MAX_SEQS_PER_GPU = 256  # scheduler cap on concurrent sequences per GPU
+KDA_CHUNK = 64  # fla's chunk: one [H, K, K] fp32 state per chunk is saved for the backward pass
+# Gradient checkpointing recomputes each forward once: (1 forward + 2 backward) / (2 + 2) of the speed. Before the
+# fused kernels the `small` preset measured 52-54K tokens/s with it against 70K without (0.76).
+CHECKPOINTING_SPEED = 0.75
+
+# What each Block AttnRes mix keeps for the backward pass. The mixes run outside the sub-layer checkpoints.
+ATTN_RES_MIXES = {
+    "torch": "the PyTorch reference (CPU) stacks its sources in fp32 and keeps values and keys",
+    "fused": "fla's fused_attnres (CUDA) keeps only references to its sources and per-source fp32 statistics",
+    "recomputed": "recomputed inside the checkpoint (not in the trainer yet)",
+}
+DEFAULT_ATTN_RES_MIX = "fused"  # the model's CUDA path (agentrl/model/attn_res.py)
