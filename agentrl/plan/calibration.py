@@ -5,14 +5,17 @@ from __future__ import annotations
 GiB = 1024**3
 
 # ------------------------------------------------------------------------------------------------------------------
-# Calibration: the measured numbers the estimates use, all from docs/benchmarks.md ("The whole model", "GPU (H200)",
-# measured 2026-11-30, fla's fused kernels on). Change them here when the benchmarks are re-measured.
+# Calibration: the measured numbers the estimates use, all from docs/benchmarks.md ("GPU (H200)"). Change them here
+# when the benchmarks are re-measured.
 # ------------------------------------------------------------------------------------------------------------------
 CALIBRATION_PRESET = "small"
-# bf16 forward+backward tokens/s of the `small` preset on one H200, B = 1, gradient checkpointing off ("same run,
-# before and after": fused kernels on). The 4K figure (28,311) is left out: the host bounds it (kernel launches).
-# Two lengths fit two efficiencies: of the matmul work and of MLA's T² attention (see `calibrated_efficiency`).
-SMALL_TRAIN_TOKENS_PER_S = {32768: 128_253, 131072: 83_420}
+# bf16 forward+backward tokens/s of the `small` preset on one H200, B = 1, gradient checkpointing off, the code as it
+# trains today (MLA on the flash varlen kernel, fused kernels on): `bench_gpu.py throughput --models agentrl`,
+# 2026-12-01 ("Where the step's time goes ... session 8"). Until then these were 128,253 and 83,420, measured with
+# cuDNN attention, which the model has not used since its backward failed on H200. The 4K figure (36,685) is left
+# out: the host bounds it (kernel launches). Two lengths fit two efficiencies: of the matmul work and of MLA's T²
+# attention (see `calibrated_efficiency`).
+SMALL_TRAIN_TOKENS_PER_S = {32768: 113_017, 131072: 62_190}
 # Peak memory above the weights with gradient checkpointing on (fused kernels): marginal bytes per token between
 # 128K and 256K tokens, and the AttnRes path that measurement ran.
 SMALL_ACTIVATION_BYTES_PER_TOKEN = (36.97 - 18.55) * GiB / (262144 - 131072)
