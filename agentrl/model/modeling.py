@@ -33,7 +33,7 @@ from agentrl.model.layers import MLP, RMSNorm
 from agentrl.model.mla import GatedMLA
 from agentrl.model.moe import SparseMoE
 
-# one log-prob chunk holds at most this many fp32 logits (256 MB): 2048 tokens at a 32K vocabulary, 400 at K3's 160K
+# one log-prob chunk holds at most this many fp32 logits (256 MB): 2048 tokens at a 32K vocabulary, 409 at K3's 164K
 LOGPROB_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -292,6 +292,11 @@ class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
         return total, total - inactive
 
 
+def logprob_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the log-prob head: its fp32 logits hold at most LOGPROB_CHUNK_ELEMENTS values."""
+    return max(1, LOGPROB_CHUNK_ELEMENTS // vocab_size)
+
+
 def chunked_token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
                            temperature: float = 1.0, return_entropy: bool = False,
                            chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -303,7 +308,7 @@ def chunked_token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, tar
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
-    chunk = chunk_tokens or max(1, LOGPROB_CHUNK_ELEMENTS // weight_VD.shape[0])
+    chunk = chunk_tokens or logprob_chunk_tokens(weight_VD.shape[0])
     logprobs, entropy = _ChunkedLogprobs.apply(hidden_TD, weight_VD, targets_T, temperature, return_entropy, chunk)
     return logprobs, (entropy if return_entropy else None)
 

@@ -133,6 +133,8 @@ def memory_per_gpu(cfg, layout: Layout, workload: Workload, act_scale: float = 1
 
 def memory_by_stage(cfg, layout: Layout, workload: Workload, act_scale: float = 1.0) -> list[Memory]:
     """Memory per GPU of each pipeline stage (see the module docstring for the accounting)."""
+    from agentrl.model.modeling import logprob_chunk_tokens  # the head's own chunk rule (imports torch: lazily)
+
     cfg = ModelShape.of(cfg)
     g_dense, g_expert = layout.dp * layout.cp, layout.expert_dp
     out = []
@@ -156,7 +158,8 @@ def memory_by_stage(cfg, layout: Layout, workload: Workload, act_scale: float = 
                         + (0 if cfg.is_kda_layer(i) else kv * (layout.cp - 1)) for i in layers)
         # ZeRO-3 holds two layers gathered (computing, prefetched): all their non-expert weights, their expert shard
         gather = 2 * BYTES_WEIGHT * (biggest[0] + biggest[1] / layout.ep) if layout.zero == 3 else 0.0
-        logits = 3 * 4 * 1024 * cfg.vocab_size if last else 0.0  # one 1024-token fp32 chunk, its softmax, grad
+        # the log-prob head's chunk of fp32 logits, live three times over (logits, exp, product or gradient)
+        logits = 3 * 4 * min(micro_tokens, logprob_chunk_tokens(cfg.vocab_size)) * cfg.vocab_size if last else 0.0
         kda_states = mla_kv = 0.0
         if any(cfg.is_kda_layer(i) for i in layers):
             kda_states = 2 * 4 * cfg.kda_num_heads * cfg.kda_head_dim**2 / KDA_CHUNK * micro_tokens
