@@ -316,7 +316,8 @@ def chunked_token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, tar
 class _ChunkedLogprobs(torch.autograd.Function):
     """The log-prob head with a hand-written backward: each chunk's logits are made twice (forward, and again in
     backward) with ~7 elementwise fp32 passes over them in all, where autograd over a checkpointed chunk ran ~20
-    (forward, recomputation, and each op's backward): those passes were ~1/8 of the `small` step at 32K on H200.
+    (forward, recomputation, and each op's backward). On H200 the `small` step gained 1-6% with this and the fused
+    RMSNorm together (docs/benchmarks.md, session 8).
 
     With z = h Wᵀ / τ, p = softmax(z), lp = z[t] − logsumexp(z) and H = logsumexp(z) − Σ p z:
         ∂lp/∂z = onehot(t) − p,    ∂H/∂z = −p ⊙ (z − Σ p z),
@@ -376,5 +377,5 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + chunk] = grad_z @ weight
             if need_w:
-                grad_w += (grad_z.t() @ h).float()
+                grad_w += (grad_z.t() @ h).to(grad_w.dtype)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
