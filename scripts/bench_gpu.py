@@ -222,6 +222,8 @@ def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> Non
             continue
         built.model = built.model.to("cuda", torch.bfloat16).train()
         for tokens in tokens_list:
+            # a cold Triton cache compiles and autotunes fla's kernels in the warm-up step: minutes, silently
+            print(f"  {name} T={tokens}: warming up", flush=True)
             previous = layers.set_fused(fused)
             try:
                 tps, mfu, mfu_attention, note = measure(built, loss_fn, tokens)

@@ -1,12 +1,19 @@
 # Sourced at the start of a device call (`. scripts/gpu_env.sh`): installs the wheels of .gpuwheels/ (made by
 # scripts/gpu_wheels.sh) into /tmp/site, puts them and the checkout on PYTHONPATH, keeps NVLink multicast off
 # (the device's rule), and unpacks a Triton kernel cache carried from an earlier call, if any, so that fla's
-# autotuned kernels are not compiled again.
+# autotuned kernels are not compiled again (a cold cache costs minutes per model and sequence length).
+#
+# To carry the cache to the next call: end the command with `save_triton_cache`, then here
+# `cp /work/.device/<call>/tc.part_* .gpuwheels/` (git-ignored; it travels with `carry: [".gpuwheels"]`).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpuwheels/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# (the cache comes back from a call in parts under the 16 MiB per-file limit: tc.part_aa, tc.part_ab, ...)
+# (parts tc.part_aa, tc.part_ab, ... as save_triton_cache below writes them)
 if compgen -G ".gpuwheels/tc.part_*" >/dev/null; then
     mkdir -p ~/.triton && cat .gpuwheels/tc.part_* | tar xJf - -C ~/.triton
 fi
+
+save_triton_cache() {  # the kernel cache as xz parts under the 16 MiB per-file limit of what comes back from $OUT
+    tar cf - -C ~/.triton cache | xz -T0 -6 | split -b 15M - "$OUT/tc.part_"
+}
