@@ -167,15 +167,20 @@ def median_seconds(fn, repeats: int, after_warmup=None) -> float:
     return statistics.median(times)
 
 
-def step_time(model, loss_fn, tokens: int, repeats: int = 3) -> float:
-    """Median seconds of one fwd+bwd on one sequence of `tokens` tokens, after a warm-up step."""
+def train_step(model, loss_fn, tokens: int):
+    """One fwd+bwd of `model` on a random sequence of `tokens` tokens, as a function to time or profile."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
 
     def step():
         loss_fn(model, ids).backward()
         model.zero_grad(set_to_none=True)
 
-    return median_seconds(step, repeats)
+    return step
+
+
+def step_time(model, loss_fn, tokens: int, repeats: int = 3) -> float:
+    """Median seconds of one fwd+bwd on one sequence of `tokens` tokens, after a warm-up step."""
+    return median_seconds(train_step(model, loss_fn, tokens), repeats)
 
 
 def measure(built: Built, loss_fn, tokens: int, repeats: int = 3) -> tuple[str, str, str, str]:
@@ -396,12 +401,7 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
         previous = layers.set_fused(fused)
         try:
             for tokens in tokens_list:
-                ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
-
-                def step():
-                    loss_fn(model, ids).backward()
-                    model.zero_grad(set_to_none=True)
-
+                step = train_step(model, loss_fn, tokens)
                 started = time.perf_counter()
                 print(f"  {name} T={tokens}: warming up (Triton compiles fla's kernels on a cold cache)", flush=True)
                 wall = median_seconds(step, 3)
@@ -423,7 +423,7 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
                 if out:  # written as it goes: a call stopped at its limit keeps what it measured
                     with open(out, "w") as f:
                         f.write("\n\n".join(texts))
-                del ids
+                del step
         finally:
             layers.set_fused(previous)
         del built, model

@@ -14,7 +14,7 @@ CALIBRATION_PRESET = "small"
 # 2026-12-01 ("Where the step's time goes ... session 8"). Until then these were 128,253 and 83,420, measured with
 # cuDNN attention, which the model has not used since its backward failed on H200. The 4K figure (36,685) is left
 # out: the host bounds it (kernel launches). Two lengths fit two efficiencies: of the matmul work and of MLA's T²
-# attention (see `calibrated_efficiency`).
+# attention (see `timing.calibrated_efficiency`).
 SMALL_TRAIN_TOKENS_PER_S = {32768: 113_017, 131072: 62_190}
 # Peak memory above the weights with gradient checkpointing on (fused kernels): marginal bytes per token between
 # 128K and 256K tokens, and the AttnRes path that measurement ran.

@@ -132,7 +132,7 @@ def memory_per_gpu(cfg, layout: Layout, workload: Workload, act_scale: float = 1
 
 
 def memory_by_stage(cfg, layout: Layout, workload: Workload, act_scale: float = 1.0) -> list[Memory]:
-    """Memory per GPU of each pipeline stage (see the module docstring for the accounting)."""
+    """Memory per GPU of each pipeline stage (see agentrl.plan's docstring for the accounting)."""
     from agentrl.model.modeling import logprob_chunk_tokens  # the head's own chunk rule (imports torch: lazily)
 
     cfg = ModelShape.of(cfg)

@@ -87,7 +87,7 @@ class StepTime:
 
 
 def step_time(cfg, layout: Layout, cluster: Cluster, workload: Workload, mfu: float | None = None) -> StepTime:
-    """One optimizer step on the slowest stage, micro-batch by micro-batch (see the module docstring)."""
+    """One optimizer step on the slowest stage, micro-batch by micro-batch (see agentrl.plan's docstring)."""
     cfg = ModelShape.of(cfg)
     calibrated = mfu is None
     peak = cluster.peak_tflops * 1e12

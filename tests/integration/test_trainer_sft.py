@@ -19,10 +19,15 @@ def oracle(i: int, rng: np.random.Generator) -> Trajectory:
     return t
 
 
+def one_rank_trainer(model_path: str, run_dir, **overrides) -> PolicyTrainer:
+    """A ZeRO-2 trainer on one rank, lr 3e-3, no checkpointing; `overrides` name what a test changes."""
+    base = dict(run_dir=str(run_dir), zero_stage=2, lr=3e-3, micro_batch_tokens=128, num_threads=1,
+                gradient_checkpointing=False)
+    return PolicyTrainer(TrainerConfig(**{**base, **overrides}), model_path)
+
+
 def test_sft_warm_start_lowers_the_nll_of_the_masked_tokens_only(model_dir, tmp_path):  # noqa: F811
-    cfg = TrainerConfig(run_dir=str(tmp_path), zero_stage=2, lr=3e-3, micro_batch_tokens=128, num_threads=1,
-                        gradient_checkpointing=False)  # an RL trainer: the warm start passes the SFT loss per step
-    trainer = PolicyTrainer(cfg, model_dir)
+    trainer = one_rank_trainer(model_dir, tmp_path)  # an RL trainer: the warm start passes the SFT loss per step
     sft = LossConfig(kind="sft")
     try:
         batch = [oracle(i, np.random.default_rng(i)) for i in range(16)]
@@ -47,9 +52,7 @@ def test_sft_warm_start_lowers_the_nll_of_the_masked_tokens_only(model_dir, tmp_
 
 
 def test_after_a_warm_start_the_kl_reference_is_the_warm_started_policy(model_dir, tmp_path):  # noqa: F811
-    cfg = TrainerConfig(run_dir=str(tmp_path), zero_stage=2, lr=3e-3, micro_batch_tokens=128, num_threads=1,
-                        gradient_checkpointing=False, loss=LossConfig(kl_coef=0.1))
-    trainer = PolicyTrainer(cfg, model_dir)
+    trainer = one_rank_trainer(model_dir, tmp_path, loss=LossConfig(kl_coef=0.1))
     try:
         batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
         for t in batch:
@@ -66,9 +69,7 @@ def test_after_a_warm_start_the_kl_reference_is_the_warm_started_policy(model_di
 
 
 def test_mini_batches_step_several_times_against_the_recorded_pre_step_policy(model_dir, tmp_path):  # noqa: F811
-    cfg = TrainerConfig(run_dir=str(tmp_path), zero_stage=2, lr=3e-3, micro_batch_tokens=64, num_threads=1,
-                        gradient_checkpointing=False, loss=LossConfig(mini_batches=2))
-    trainer = PolicyTrainer(cfg, model_dir)
+    trainer = one_rank_trainer(model_dir, tmp_path, micro_batch_tokens=64, loss=LossConfig(mini_batches=2))
     try:
         batch = [oracle(i, np.random.default_rng(i)) for i in range(16)]
         for t in batch:
