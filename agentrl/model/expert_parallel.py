@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agentrl.model.moe import RoutedExperts, SparseMoE, combine, sort_by_expert
+from agentrl.model.moe import (RoutedExperts, SparseMoE, combine, dispatch, inverse_permutation, permute_rows,
+                               sort_by_expert)
 
 _EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 
@@ -122,22 +123,23 @@ class ExpertParallelExperts(RoutedExperts):
 
     def forward(self, x_TM: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
         ranks, local = self.num_ranks, self.num_local_experts
-        order_S, token_of_S, counts_E = sort_by_expert(experts_TK, self.num_experts)
-        received_RL = self._exchange_counts(counts_E).view(ranks, local)
-        send = counts_E.view(ranks, local).sum(1).tolist()
+        order = sort_by_expert(experts_TK, self.num_experts)
+        received_RL = self._exchange_counts(order.counts_E).view(ranks, local)
+        send = order.counts_E.view(ranks, local).sum(1).tolist()
         recv = received_RL.sum(1).tolist()
         if self.stats is not None:
             self.stats.rows_kept += send[self.ep_rank]
             self.stats.rows_sent += sum(send) - send[self.ep_rank]
-        rows_NM = all_to_all(x_TM[token_of_S], recv, send, self.group, self.stats)
+        rows_NM = all_to_all(dispatch(x_TM, order), recv, send, self.group, self.stats)
         # received rows come grouped by source rank, then by local expert; the grouped matmul wants them by expert
         expert_of_N = torch.arange(local, device=x_TM.device).repeat(ranks).repeat_interleave(
             received_RL.reshape(-1), output_size=sum(recv))  # the size is known: no device sync
         by_expert_N = torch.argsort(expert_of_N, stable=True)
-        out_NM = self.expert_ffn(rows_NM[by_expert_N], received_RL.sum(0))
-        out_NM = torch.empty_like(out_NM).index_copy(0, by_expert_N, out_NM)  # back to (source, expert) order
+        back_N = inverse_permutation(by_expert_N)
+        out_NM = self.expert_ffn(permute_rows(rows_NM, by_expert_N, back_N), received_RL.sum(0))
+        out_NM = permute_rows(out_NM, back_N, by_expert_N)  # back to (source, expert) order
         out_SM = all_to_all(out_NM, send, recv, self.group, self.stats)
-        return combine(x_TM, out_SM, weights_TK, order_S, token_of_S)
+        return combine(out_SM, weights_TK, order)
 
     def _exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """counts_E sent in slices of L to their owners → [R·L]: rows from each source rank per local expert."""

@@ -13,7 +13,7 @@ Dispatch is grouped by expert: the K·T (token, expert) pairs are sorted by expe
 one matmul (`torch._grouped_mm` on CUDA: one kernel for all experts; on CPU a split over the experts present).
 
 Expert parallelism (experts sharded over ranks, tokens exchanged by all-to-all) replaces `RoutedExperts` with the
-subclass in expert_parallel.py, which reuses `sort_by_expert`, `expert_ffn` and `combine`.
+subclass in expert_parallel.py, which reuses `sort_by_expert`, `dispatch`, `expert_ffn` and `combine`.
 
 Routing replay: `forced_experts_TK` makes the layer use the given experts (e.g. those the inference engine chose)
 instead of its own top-K; the gate weights are still computed from this forward's scores. A row of −1 leaves that
@@ -21,6 +21,8 @@ token's routing to the layer.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,9 +108,9 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_TM: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
         """Σ_k weights[t, k] · E_{experts[t, k]}(x_t) for every token. [T, M]"""
-        order_S, token_of_S, counts_E = sort_by_expert(experts_TK, self.num_experts)
-        out = self.expert_ffn(x_TM[token_of_S], counts_E)
-        return combine(x_TM, out, weights_TK, order_S, token_of_S)
+        order = sort_by_expert(experts_TK, self.num_experts)
+        out_SM = self.expert_ffn(dispatch(x_TM, order), order.counts_E)
+        return combine(out_SM, weights_TK, order)
 
     def expert_ffn(self, x_SM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Each expert's GLU on its rows: x sorted by expert, counts_E[e] rows for expert e. [S, M]
@@ -120,20 +122,73 @@ class RoutedExperts(nn.Module):
         return grouped_matmul(h, self.w2_weight, counts_E)
 
 
-def sort_by_expert(experts_TK: torch.Tensor, num_experts: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The S = T·K (token, expert) pairs sorted by expert: (order [S] into the flat pairs, token of each [S],
-    rows per expert [E])."""
+class ExpertOrder(NamedTuple):
+    """The S = T·K (token, expert) pairs sorted by expert; pair p = t·K + k is token t's k-th choice."""
+    pair_of_row_S: torch.Tensor  # the pair in each sorted row [S]
+    row_of_pair_TK: torch.Tensor  # the sorted row of each pair [T, K]: the inverse permutation
+    counts_E: torch.Tensor  # rows per expert [E]
+
+
+def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> ExpertOrder:
     flat = experts_TK.reshape(-1)
-    order_S = torch.argsort(flat, stable=True)
-    return order_S, order_S // experts_TK.shape[1], torch.bincount(flat, minlength=num_experts)
+    pair_of_row = torch.argsort(flat, stable=True)
+    row_of_pair = inverse_permutation(pair_of_row).view(experts_TK.shape)
+    return ExpertOrder(pair_of_row, row_of_pair, torch.bincount(flat, minlength=num_experts))
 
 
-def combine(x_TM: torch.Tensor, out_SM: torch.Tensor, weights_TK: torch.Tensor, order_S: torch.Tensor,
-            token_of_S: torch.Tensor) -> torch.Tensor:
-    """The gate-weighted sum of each token's expert outputs (rows in `sort_by_expert` order). [T, M]"""
-    out_SM = out_SM * weights_TK.reshape(-1)[order_S, None].to(out_SM.dtype)
-    return torch.zeros_like(x_TM).index_add_(0, token_of_S, out_SM)
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """inv with inv[index[i]] = i."""
+    return torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+
+
+def dispatch(x_TM: torch.Tensor, order: ExpertOrder) -> torch.Tensor:
+    """Each token's row once per chosen expert, grouped by expert. [S, M]"""
+    return _Dispatch.apply(x_TM, order.pair_of_row_S, order.row_of_pair_TK)
+
+
+def combine(out_SM: torch.Tensor, weights_TK: torch.Tensor, order: ExpertOrder) -> torch.Tensor:
+    """The gate-weighted sum of each token's expert outputs (rows in `sort_by_expert` order). [T, M]
+
+    The rows go back to (token, choice) order by a gather and the K terms are summed per token in a fixed order,
+    in fp32 inside the reduction (a scatter-add would add in bf16, in whatever order the atomics land).
+    """
+    out_TKM = permute_rows(out_SM, order.row_of_pair_TK.reshape(-1), order.pair_of_row_S)
+    out_TKM = out_TKM.view(*weights_TK.shape, out_SM.shape[-1])
+    return (out_TKM * weights_TK.to(out_SM.dtype)[..., None]).sum(1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """x[token of each sorted row]; the backward gathers each token's K row gradients and sums them, instead of
+    autograd's accumulating index_put (on CUDA a sort of all S indices every backward, and an order-dependent sum)."""
+
+    @staticmethod
+    def forward(ctx, x_TM: torch.Tensor, pair_of_row_S: torch.Tensor, row_of_pair_TK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(row_of_pair_TK)
+        return x_TM.index_select(0, pair_of_row_S // row_of_pair_TK.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_SM: torch.Tensor):
+        (row_of_pair_TK,) = ctx.saved_tensors
+        grad_TKM = grad_SM.index_select(0, row_of_pair_TK.reshape(-1))
+        return grad_TKM.view(*row_of_pair_TK.shape, grad_SM.shape[-1]).sum(1), None, None
+
+
+def permute_rows(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """rows[index] for a permutation `index` whose inverse is `inverse`: forward and backward are both gathers
+    (autograd's backward of index_select is an atomic index_add into zeros)."""
+    return _Permute.apply(rows, index, inverse)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 
 from agentrl.model.balancing import ExpertBalancer, exact_quantile_bias, histogram_quantile
 from agentrl.model.config import preset_config
-from agentrl.model.moe import Router, SparseMoE, grouped_matmul
+from agentrl.model.moe import Router, SparseMoE, combine, dispatch, grouped_matmul, sort_by_expert
 
 
 def skewed_router(num_experts=16, top_k=2, method="quantile", hidden=32) -> Router:
@@ -108,6 +108,36 @@ def test_grouped_matmul_equals_a_per_expert_loop():
     ref = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in
                      enumerate(zip([0, *counts.cumsum(0)[:-1].tolist()], counts.cumsum(0).tolist())) if e > s])
     torch.testing.assert_close(grouped_matmul(x, w, counts), ref)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 37])
+def test_dispatch_and_combine_equal_indexing_and_a_scatter_add_with_their_gradients(num_tokens):
+    torch.manual_seed(0)
+    num_experts, top_k, width = 6, 3, 5
+    experts = torch.rand(num_tokens, num_experts).argsort(-1)[:, :top_k]  # K distinct experts per token
+    x = torch.randn(num_tokens, width, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(num_tokens, top_k, dtype=torch.float64, requires_grad=True)
+    order = sort_by_expert(experts, num_experts)
+    assert order.counts_E.tolist() == torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+    pair_of_row = order.pair_of_row_S
+    token_of_row = pair_of_row // top_k
+    rows = dispatch(x, order)
+    # rows come grouped by expert, each the row of its token
+    assert torch.equal(experts.reshape(-1)[pair_of_row], experts.reshape(-1).sort(stable=True).values)
+    assert torch.equal(order.row_of_pair_TK.reshape(-1)[pair_of_row], torch.arange(num_tokens * top_k))
+    assert torch.equal(rows, x[token_of_row])
+    out_rows = torch.tanh(rows) * torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype)[:, None]
+    y = combine(out_rows, w, order)
+    ref = torch.zeros_like(x).index_add(0, token_of_row, out_rows * w.reshape(-1)[pair_of_row, None])
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad((y * g).sum(), (x, w))
+    x_ref = x.detach().requires_grad_()
+    rows_ref = x_ref[token_of_row]
+    out_ref = torch.tanh(rows_ref) * torch.arange(1, rows_ref.shape[0] + 1, dtype=x.dtype)[:, None]
+    y_ref = torch.zeros_like(x_ref).index_add(0, token_of_row, out_ref * w.reshape(-1)[pair_of_row, None])
+    for got, want in zip(grads, torch.autograd.grad((y_ref * g).sum(), (x_ref, w))):
+        torch.testing.assert_close(got, want)
 
 
 def test_moe_equals_the_dense_sum_over_chosen_experts_and_replays_routing():
