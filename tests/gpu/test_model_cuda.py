@@ -9,7 +9,7 @@ import torch
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.model.mla import _use_flash_varlen, varlen_causal_attention
-from agentrl.model.moe import grouped_matmul
+from agentrl.model.moe import SparseMoE, grouped_matmul
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -81,6 +81,28 @@ def test_grouped_gemm_bf16_equals_per_expert_matmuls():
     ref = torch.cat([x[a:b].float() @ w[e].float().t() for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
                      if b > a])
     torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=2e-2)
+
+
+def test_moe_layer_forward_and_backward_are_bitwise_repeatable_in_bf16():
+    """Dispatch and combine are gathers and fixed-order sums (no atomic scatter-add), so two runs of the same
+    batch give the same bits: what makes a GPU training step reproducible through the MoE."""
+    torch.manual_seed(0)
+    cfg = preset_config("small", num_experts=64, num_experts_per_token=4)
+    moe = SparseMoE(cfg).cuda().to(torch.bfloat16).eval()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(8192, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        y, _ = moe(xi)
+        grads = torch.autograd.grad((y.float() * g.float()).sum(), [xi, *moe.parameters()])
+        return [y.detach(), *grads]
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 def _backward_ops(tensor):
