@@ -17,7 +17,8 @@ CALIBRATION_PRESET = "small"
 # attention (see `timing.calibrated_efficiency`).
 SMALL_TRAIN_TOKENS_PER_S = {32768: 113_017, 131072: 62_190}
 # Peak memory above the weights with gradient checkpointing on (fused kernels): marginal bytes per token between
-# 128K and 256K tokens, and the AttnRes path that measurement ran.
+# 128K and 256K tokens, and the AttnRes path that measurement ran. Measured 2026-11-30 with cuDNN attention; the
+# flash varlen path gave the same peaks at 8K / 32K / 128K (1.52 / 4.77 / 18.55 GiB, 2026-12-01; 256K not re-run).
 SMALL_ACTIVATION_BYTES_PER_TOKEN = (36.97 - 18.55) * GiB / (262144 - 131072)
 SMALL_ACTIVATION_ATTN_RES_MIX = "fused"
 
