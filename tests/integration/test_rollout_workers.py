@@ -34,15 +34,21 @@ CONFIG = RolloutConfig(group_size=2, sampling=SamplingSpec(temperature=1.0, max_
                        max_trajectory_tokens=1024, max_concurrent_episodes=8)
 
 
-def test_hybrid_rollouts_record_routing_that_replays_the_engines_logprobs(hybrid_dir):
+@pytest.fixture(scope="module")
+def in_process_worker(hybrid_dir):
+    """One worker in this process for the tests below (a second in-process engine kept the interpreter from exiting),
+    with the event loop that runs it: `run(coroutine)`."""
     worker = RolloutWorker(EngineSpec(model=hybrid_dir, max_model_len=2048, return_routed_experts=True),
                            hybrid_dir, CONFIG)
     loop = asyncio.new_event_loop()
-    try:
-        trajs = loop.run_until_complete(worker.generate(requests(4)))
-    finally:
-        worker.shutdown()
-        loop.close()
+    yield worker, loop.run_until_complete
+    worker.shutdown()
+    loop.close()
+
+
+def test_hybrid_rollouts_record_routing_that_replays_the_engines_logprobs(hybrid_dir, in_process_worker):
+    worker, run = in_process_worker
+    trajs = run(worker.generate(requests(4)))
     model = HybridMoEForCausalLM.from_pretrained(hybrid_dir).eval()
     for traj in trajs:
         assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.error
@@ -61,6 +67,20 @@ def test_hybrid_rollouts_record_routing_that_replays_the_engines_logprobs(hybrid
         mask = torch.tensor(traj.loss_mask[1:], dtype=torch.bool)
         torch.testing.assert_close(replay.token_logprobs[0][mask], torch.tensor(traj.logprobs[1:])[mask],
                                    atol=1e-4, rtol=0)
+
+
+def test_seeded_episodes_sample_the_same_tokens_whatever_else_shares_the_engine(in_process_worker):
+    worker, run = in_process_worker
+    others = [EpisodeRequest(env_id="agentrl/Calc-v0", task_index=20 + i, group_id=f"x{i // 2}",
+                             trajectory_id=f"x-{i}", seed=100 + i, env_kwargs={"max_turns": 2}) for i in range(6)]
+    alone = run(worker.generate(requests(4)))
+    # the same episodes again, in another order and batched with six others (without per-episode seeds the second
+    # run draws from wherever the engine's shared generator has got to, and the tokens differ)
+    crowded = run(worker.generate(others[:3] + requests(4)[::-1] + others[3:]))
+    by_id = {t.trajectory_id: t for t in crowded}
+    for traj in alone:
+        assert traj.num_sampled > 0
+        assert by_id[traj.trajectory_id].tokens == traj.tokens
 
 
 def test_a_dead_worker_is_replaced_and_its_episodes_rerun(ray_session, hybrid_dir):
