@@ -86,7 +86,7 @@ class RolloutJobConfig:
     env_timeout_s: float = 30.0
     max_concurrent_episodes: int = 64
     token_budget: int | None = None  # sampled tokens per iteration; unfinished episodes become partial
-    seeded_sampling: bool = True  # per-episode sampling streams: a sync run with the same seed repeats (agent_loop.py)
+    seeded_sampling: bool = False  # per-episode sampling streams: a sync run with the same seed repeats (agent_loop.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):

@@ -38,8 +38,9 @@ class RolloutConfig:
     max_concurrent_episodes: int = 64
     # each generation samples from its own generator, seeded by the episode's seed and the trajectory's length, so an
     # episode's tokens do not depend on which other requests share the engine's batches: a synchronous run with the
-    # same seed repeats (up to the engine's batch-dependent rounding). vLLM's sampler then draws per request.
-    seeded_sampling: bool = True
+    # same seed repeats (up to the engine's batch-dependent rounding). vLLM's sampler then draws per request. Off by
+    # default until its effect on learning is measured (docs/benchmarks.md, "Repeatable synchronous runs").
+    seeded_sampling: bool = False
 
     def __post_init__(self):
         for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):

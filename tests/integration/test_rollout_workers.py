@@ -31,7 +31,7 @@ def requests(n: int, group: str = "g") -> list[EpisodeRequest]:
 
 
 CONFIG = RolloutConfig(group_size=2, sampling=SamplingSpec(temperature=1.0, max_tokens=24),
-                       max_trajectory_tokens=1024, max_concurrent_episodes=8)
+                       max_trajectory_tokens=1024, max_concurrent_episodes=8, seeded_sampling=True)
 
 
 @pytest.fixture(scope="module")

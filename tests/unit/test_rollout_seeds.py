@@ -23,5 +23,5 @@ class _UnseededEngine:
 
 def test_an_engine_without_per_request_seeds_is_refused_unless_seeding_is_off():
     with pytest.raises(ValueError, match="rollout.seeded_sampling=false"):
-        AgentLoop(_UnseededEngine(), _Tokenizer(), RolloutConfig())
+        AgentLoop(_UnseededEngine(), _Tokenizer(), RolloutConfig(seeded_sampling=True))
     AgentLoop(_UnseededEngine(), _Tokenizer(), RolloutConfig(seeded_sampling=False))
