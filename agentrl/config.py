@@ -33,13 +33,20 @@ class ModelConfig:
     checkpoint: str | None = None  # start from this checkpoint directory instead of a fresh preset
     tokenizer: str | None = None  # tokenizer directory; None trains one on the environments' text
     vocab_size: int = 1024  # of the tokenizer trained when `tokenizer` is None
+    # the template and tool-call grammar (agentrl.chat: agentrl, kimi, kimi_k3, qwen3); None: the checkpoint's own,
+    # detected from its tokenizer; for a fresh preset, the format its tokenizer is built in
+    chat_format: str | None = None
     seed: int = 0
 
     def __post_init__(self):
+        from agentrl.chat import format_names
         from agentrl.model.config import PRESETS
 
         if self.checkpoint is None and self.preset not in PRESETS:
             raise ValueError(f"model.preset={self.preset!r} is not one of {sorted(PRESETS)}")
+        if self.chat_format is not None and self.chat_format not in format_names():
+            raise ValueError(f"model.chat_format={self.chat_format!r} is not one of {format_names()} "
+                             "(or null: the checkpoint's own)")
         if self.vocab_size < 512:
             raise ValueError(f"model.vocab_size={self.vocab_size} is too small (>= 512)")
 
@@ -233,12 +240,22 @@ def check_env(job: JobConfig) -> None:
                           f"(a generated env takes its task count in env.kwargs, e.g. env.kwargs.num_tasks)")
 
 
-def check_checkpoint(path: str, key: str) -> None:
-    """A checkpoint directory must hold its tokenizer: the rollout workers load it from there (else they die at
-    start-up, far from the cause)."""
-    if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-        raise ConfigError(f"{key}={path!r} holds no tokenizer (tokenizer_config.json); a checkpoint directory needs "
-                          "the tokenizer beside the weights")
+def check_checkpoint(path: str, key: str, chat_format: str | None = None) -> None:
+    """A checkpoint directory must hold its tokenizer, in a chat format agentrl speaks: the rollout workers load both
+    from there (else they die at start-up, far from the cause)."""
+    from agentrl.chat import load_chat_format
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is not a directory")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ConfigError(f"{key}={path!r} holds no config.json: not a checkpoint directory")
+    try:
+        load_chat_format(path, chat_format)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{key}={path!r}: {exc}; a checkpoint directory needs the tokenizer beside the weights") \
+            from None
+    except ValueError as exc:
+        raise ConfigError(f"{key}={path!r}: {exc}") from None
 
 
 def _first_line(exc: Exception) -> str:

@@ -161,7 +161,7 @@ def prepare_policy(job: JobConfig) -> tuple[str, bool]:
 
     resume = os.path.isdir(os.path.join(job.run_dir, "checkpoints"))
     if job.model.checkpoint:
-        check_checkpoint(job.model.checkpoint, "model.checkpoint")
+        check_checkpoint(job.model.checkpoint, "model.checkpoint", job.model.chat_format)
         return job.model.checkpoint, resume
     initial = os.path.join(job.run_dir, "initial")
     if not os.path.exists(os.path.join(initial, "config.json")):
@@ -182,7 +182,7 @@ def rollout_config(job: JobConfig) -> RolloutConfig:
     r = job.rollout
     return RolloutConfig(group_size=r.group_size, max_trajectory_tokens=r.max_trajectory_tokens,
                          env_timeout_s=r.env_timeout_s, max_concurrent_episodes=r.max_concurrent_episodes,
-                         seeded_sampling=r.seeded_sampling,
+                         seeded_sampling=r.seeded_sampling, chat_format=job.model.chat_format,
                          sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
                                                max_tokens=r.max_tokens_per_turn))
 
@@ -261,14 +261,13 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
     the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target.
     """
-    from transformers import AutoTokenizer
-
+    from agentrl.chat import load_chat_format
     from agentrl.envs import make
     from agentrl.rollout.oracle import oracle_trajectory
 
     algo = job.algorithm
     policy_dir, _ = prepare_policy(job)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    chat = load_chat_format(policy_dir, job.model.chat_format)
     env = make(job.env.id, **job.env.kwargs)
     rng = random.Random(job.seed)
     sft = LossConfig(kind="sft")
@@ -279,7 +278,7 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     warmup = pool.submit(sampler.eval_requests(), temperature=0.0) if algo.sft_target_success is not None else None
     for step in range(1, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
-        batch = [oracle_trajectory(env, tokenizer, env_id=job.env.id, task_index=i, seed=i,
+        batch = [oracle_trajectory(env, chat, env_id=job.env.id, task_index=i, seed=i,
                                    group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
         metrics = {f"sft/{k}": v for k, v in on_all(trainer, "step", batch, sft).items()}
         reached = False
@@ -312,7 +311,7 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
 
     check_env(job)
-    check_checkpoint(checkpoint, "--checkpoint")
+    check_checkpoint(checkpoint, "--checkpoint", job.model.chat_format)
     connect(job)
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus), 1,
                        (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),

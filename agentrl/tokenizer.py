@@ -1,17 +1,16 @@
-"""A tokenizer for agentrl's own small models, trained locally, with a ChatML template for tool use.
+"""The tokenizer of agentrl's own small models (the `agentrl` chat format), trained locally.
 
 No model hub is reachable from these machines, so the quickstart and the tests build their tokenizer here: a
-byte-level BPE (`tokenizers`) trained on the built-in environments' text (system prompts, tasks, oracle episodes),
-wrapped as a `PreTrainedTokenizerFast` that vLLM and transformers load from a directory.
-
-Chat format (ChatML), one message per block, roles system / user / assistant / tool:
+byte-level BPE (`tokenizers`) trained on the built-in environments' oracle episodes as the `agentrl` chat format
+renders them (agentrl/chat/agentrl_format.py), wrapped as a `PreTrainedTokenizerFast` that vLLM and transformers load
+from a directory. Its chat template (ChatML, one message per block, roles system / user / assistant / tool) prints
+what the format renders:
 
     <|im_start|>{role}\n{content}<|im_end|>\n ... <|im_start|>assistant\n
 
 `<|im_end|>` ends an assistant turn (the engine's stop token). The tool-call protocol's tags (`<tool_call>`,
 `<answer>`, `<tool_response>` and their closers) are single added tokens, so a small model sees the format as a few
-symbols. Special tokens split the text before BPE runs, so a conversation tokenized turn by turn equals the whole
-conversation tokenized at once: the agent loop relies on that to append turns without re-tokenizing.
+symbols. Tokenizers for other families' layouts (Kimi's tiktoken, Qwen3's) are in agentrl/chat/tiny_tokenizers.py.
 """
 
 from __future__ import annotations
@@ -22,10 +21,11 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+from agentrl.chat.agentrl_format import (ANSWER_CLOSE, ANSWER_OPEN, EOS, IM_END, IM_START, RESPONSE_CLOSE,
+                                         RESPONSE_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, AgentRLFormat)
+
 SPECIAL_TOKENS = [EOS, IM_START, IM_END]
-PROTOCOL_TOKENS = ["<tool_call>", "</tool_call>", "<answer>", "</answer>", "<tool_response>", "</tool_response>"]
-ROLES = ("system", "user", "assistant", "tool")
+PROTOCOL_TOKENS = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE]
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -33,19 +33,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
-
-
-def message_text(role: str, content: str) -> str:
-    """One rendered message, as CHAT_TEMPLATE writes it."""
-    if role not in ROLES:
-        raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
-    return f"{IM_START}{role}\n{content}{IM_END}\n"
-
-
-def turn_glue(role: str, content: str) -> str:
-    """The text that follows a sampled assistant turn (which ends at <|im_end|>): the template's newline, the next
-    message, and the header of the next assistant turn."""
-    return "\n" + message_text(role, content) + f"{IM_START}assistant\n"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency: int = 2) -> PreTrainedTokenizerFast:
@@ -73,15 +60,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency:
 
 def environment_corpus(env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
                        episodes_per_env: int = 200, seed: int = 0) -> list[str]:
-    """Rendered oracle episodes of the given environments (system prompt, task, gold tool calls and answers)."""
+    """Oracle episodes of the given environments (system prompt, task, gold tool calls and answers) as the `agentrl`
+    format renders them, each closed by the template's newline after its last message."""
     from agentrl.envs import make, play
 
+    chat = AgentRLFormat()
     texts: list[str] = []
     for env_id in env_ids:
         env = make(env_id)
         for i in range(episodes_per_env):
             episode = play(env, env.oracle, seed=seed + i)
-            texts.append("".join(message_text(m["role"], m["content"]) for m in episode.messages))
+            steps = [(turn, episode.observations[k] if k < len(episode.observations) else None)
+                     for k, turn in enumerate(episode.turns)]
+            texts.append(chat.conversation_text(episode.system, episode.tools, episode.prompt, steps) + "\n")
     return texts
 
 

@@ -9,7 +9,6 @@ Oracle: one ``calculate`` call with the gold expression, then the result as the 
 
 from __future__ import annotations
 
-import json
 import random
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -17,6 +16,7 @@ from agentrl.envs.calculator import ExpressionError, evaluate, format_number
 from agentrl.envs.errors import ToolError
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.envs.tools import tool
+from agentrl.envs.turns import AssistantTurn, ToolCall, answer
 from agentrl.reward import numeric_match
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class CalcEnv(ToolEnv):
     def score(self, task: Mapping[str, Any], answer: str) -> dict[str, float]:
         return {"correct": numeric_match(answer, task["answer"], rel_tol=1e-4)}
 
-    def oracle(self, task: Mapping[str, Any]) -> list[str]:
-        call = json.dumps({"name": "calculate", "arguments": {"expression": task["expression"]}})
-        return [f"I will compute it.\n<tool_call>{call}</tool_call>",
-                f"<answer>{format_number(evaluate(task['expression']))}</answer>"]
+    def oracle(self, task: Mapping[str, Any]) -> list[AssistantTurn]:
+        return [AssistantTurn(content="I will compute it.",
+                              calls=(ToolCall("calculate", {"expression": task["expression"]}),)),
+                answer(format_number(evaluate(task["expression"])))]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from agentrl.envs.errors import ToolError
 from agentrl.envs.tool_env import ToolEnv, load_tasks
 from agentrl.envs.tools import tool
+from agentrl.envs.turns import AssistantTurn, answer, call
 from agentrl.reward import exact_match
 
 if TYPE_CHECKING:
@@ -198,17 +199,13 @@ class DocSearchEnv(ToolEnv):
     def score(self, task: Mapping[str, Any], answer: str) -> dict[str, float]:
         return {"correct": exact_match(answer, task["answer"])}
 
-    def oracle(self, task: Mapping[str, Any]) -> list[str]:
+    def oracle(self, task: Mapping[str, Any]) -> list[AssistantTurn]:
         docs, turns = json.loads(task["docs"]), []
         for index in json.loads(task["chain"]):
             name = docs[index]["title"].removeprefix("Dossier on Project ")
-            turns.append(_call("search", query=f"Project {name}"))
+            turns.append(call("search", query=f"Project {name}"))
             text = render_document(task, index)
             fact_end = text.index(docs[index]["fact"]) + len(docs[index]["fact"])
             for offset in range(0, fact_end, self.page_chars):
-                turns.append(_call("open", doc_id=f"doc-{index:03d}", offset=offset))
-        return [*turns, f"<answer>{task['answer']}</answer>"]
-
-
-def _call(name: str, **arguments: Any) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+                turns.append(call("open", doc_id=f"doc-{index:03d}", offset=offset))
+        return [*turns, answer(task["answer"])]

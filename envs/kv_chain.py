@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from agentrl.envs.errors import ToolError
 from agentrl.envs.tool_env import ToolEnv, load_tasks
 from agentrl.envs.tools import tool
+from agentrl.envs.turns import AssistantTurn, answer, call
 from agentrl.reward import exact_match
 
 if TYPE_CHECKING:
@@ -96,6 +97,5 @@ class KVChainEnv(ToolEnv):
     def score(self, task: Mapping[str, Any], answer: str) -> dict[str, float]:
         return {"correct": exact_match(answer, task["answer"])}
 
-    def oracle(self, task: Mapping[str, Any]) -> list[str]:
-        calls = [json.dumps({"name": "lookup", "arguments": {"key": key}}) for key in json.loads(task["chain"])]
-        return [*(f"<tool_call>{call}</tool_call>" for call in calls), f"<answer>{task['answer']}</answer>"]
+    def oracle(self, task: Mapping[str, Any]) -> list[AssistantTurn]:
+        return [*(call("lookup", key=key) for key in json.loads(task["chain"])), answer(task["answer"])]

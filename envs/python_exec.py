@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from agentrl.envs.sandbox import Sandbox, SandboxLimits
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.envs.tools import tool
+from agentrl.envs.turns import AssistantTurn, ToolCall, answer
 from agentrl.reward import unit_tests_passed
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class PythonExecEnv(ToolEnv):
     """Write a Python function that passes hidden tests."""
 
     instructions = ("Only the Python standard library is available in run_python. Give the final answer as the "
-                    "complete function source inside <answer>...</answer>.")
+                    "complete function source.")
     reward_weights = {"correct": 1.0, "tests_passed": 0.0}
 
     def __init__(self, tasks: Any = None, *, num_tasks: int = 500, task_seed: int = 0,
@@ -205,9 +206,8 @@ class PythonExecEnv(ToolEnv):
         fraction = unit_tests_passed(min(max(passed, 0), total), total)
         return {"correct": float(fraction == 1.0), "tests_passed": fraction}
 
-    def oracle(self, task: Mapping[str, Any]) -> list[str]:
+    def oracle(self, task: Mapping[str, Any]) -> list[AssistantTurn]:
         args = json.loads(task["tests"])[0][0]
         trial = f"{task['gold_code']}\nprint({task['function']}(*{args!r}))\n"
-        call = json.dumps({"name": "run_python", "arguments": {"code": trial}})
-        return [f"Let me try it.\n<tool_call>{call}</tool_call>",
-                f"<answer>\n```python\n{task['gold_code']}```\n</answer>"]
+        return [AssistantTurn(content="Let me try it.", calls=(ToolCall("run_python", {"code": trial}),)),
+                answer(f"```python\n{task['gold_code']}```")]

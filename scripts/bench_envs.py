@@ -2,14 +2,16 @@
 
     .venv/bin/python scripts/bench_envs.py [--episodes 20] [--sandbox-runs 100] [--context-tokens 32768]
 
-Env throughput: oracle episodes (the gold messages, so every step does real tool work), timing only ``reset`` and
-``step``; steps/s is per env instance on one core. Sandbox start-up: the wall time of running ``pass``, i.e. process
-start, isolation set-up and teardown, per isolation mode available here.
+Env throughput: oracle episodes (the gold turns, so every step does real tool work), timing only ``reset`` and
+``step``; steps/s is per env instance on one core; tokens per episode are estimated from the characters of the
+task, the turns and the results (/4), whatever chat format would render them. Sandbox start-up: the wall time of
+running ``pass``, i.e. process start, isolation set-up and teardown, per isolation mode available here.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
 import statistics
@@ -28,11 +30,13 @@ def bench_env(env_id: str, episodes: int, kwargs: dict) -> dict:
         prompt, _ = env.reset(seed=seed)
         seconds += time.perf_counter() - start
         chars += len(prompt)
-        for text in env.oracle(env.task):
+        for turn in env.oracle(env.task):
             start = time.perf_counter()
-            obs, reward, terminated, truncated, _ = env.step(text)
+            obs, reward, terminated, truncated, _ = env.step(turn)
             seconds += time.perf_counter() - start
-            steps, chars = steps + 1, chars + len(obs) + len(text)
+            turn_chars = (len(turn.content) + len(turn.answer or "")
+                          + sum(len(json.dumps(c.arguments)) for c in turn.calls))
+            steps, chars = steps + 1, chars + obs.num_chars + turn_chars
             if terminated or truncated:
                 rewards.append(reward)
                 break

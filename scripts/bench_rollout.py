@@ -32,12 +32,11 @@ async def run(args) -> None:
     ckpt = init_model(os.path.join(root, "ckpt"), preset="tiny", vocab_size=1024,
                       env_ids=("agentrl/Calc-v0", "agentrl/KVChain-v0"))
     engine = await PolicyEngine.create(EngineSpec(model=ckpt, max_model_len=4096, kv_cache_memory_bytes=512 << 20))
-    from transformers import AutoTokenizer
+    from agentrl.chat import load_chat_format
 
-    tok = AutoTokenizer.from_pretrained(ckpt)
     config = RolloutConfig(sampling=SamplingSpec(max_tokens=args.tokens_per_turn), max_trajectory_tokens=4096,
                            max_concurrent_episodes=args.episodes)
-    loop = AgentLoop(engine, tok, config)
+    loop = AgentLoop(engine, load_chat_format(ckpt), config)
 
     def requests(env_id: str, kwargs: dict):
         return [EpisodeRequest(env_id=env_id, task_index=i, group_id=f"g{i}", trajectory_id=f"{env_id}-{i}",

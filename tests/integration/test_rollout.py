@@ -18,7 +18,9 @@ import torch
 from agentrl.envs.calc import CalcEnv
 from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, RolloutConfig, TokenBudget
 from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine, SamplingSpec
-from agentrl.tokenizer import byte_tokenizer, message_text
+from agentrl.chat import HFTokenizer, get_format
+from agentrl.envs import make
+from agentrl.tokenizer import byte_tokenizer
 from agentrl.types import Boundary, Status
 from tests.integration.tiny_models import make_qwen3
 
@@ -81,14 +83,15 @@ def setup(tmp_path_factory):
     # printable ASCII except '<' (which could spell a protocol tag), plus the end-of-turn token
     allowed = [i for i in range(len(tok)) if len(ch := tok.decode([i])) == 1 and 32 <= ord(ch) < 127 and ch != "<"]
     allowed.append(tok.convert_tokens_to_ids("<|im_end|>"))
-    yield dict(tok=tok, engine=engine, runner=runner, model_a=model_a, model_b=model_b, allowed=allowed)
+    chat = get_format("agentrl", HFTokenizer(tok))
+    yield dict(tok=tok, chat=chat, engine=engine, runner=runner, model_a=model_a, model_b=model_b, allowed=allowed)
     engine.shutdown()
 
 
 def make_loop(setup, **config) -> AgentLoop:
     sampling = SamplingSpec(temperature=config.pop("temperature", 1.0), max_tokens=config.pop("max_tokens", 24),
                             allowed_token_ids=setup["allowed"])
-    return AgentLoop(setup["engine"], setup["tok"], RolloutConfig(sampling=sampling, **config))
+    return AgentLoop(setup["engine"], setup["chat"], RolloutConfig(sampling=sampling, **config))
 
 
 def request(i: int, env_id: str = "agentrl/Calc-v0", **kwargs) -> EpisodeRequest:
@@ -111,6 +114,22 @@ def teacher_forced_logprobs(model_dir: str, tokens: list[int], temperature: floa
     return torch.cat([torch.zeros(1), lp])  # aligned with tokens: position t holds log p(token t)
 
 
+def rerender(chat, traj):
+    """The trajectory rebuilt by the format alone: the prompt, each sampled turn verbatim (closed if it was cut), and
+    the glue the env's results render to, replaying the env on the parsed turns."""
+    env = make(traj.env_id, **traj.metadata["env_kwargs"])
+    prompt, _ = env.reset(seed=traj.metadata["seed"], options={"task_index": traj.metadata["task_index"]})
+    ids = chat.render_prompt(env.system_prompt(), env.tool_schemas(), prompt).ids
+    for t in [t for t in traj.turns if t.role == "assistant"]:
+        sampled = traj.tokens[t.start:t.end]
+        ended = sampled[-1] in chat.stop_ids
+        ids += sampled + ([] if ended else chat.close_cut_turn())
+        observation, _, terminated, truncated, _ = env.step(chat.parse_turn(sampled, cut=not ended))
+        if not (terminated or truncated):
+            ids += chat.render_observation(observation)
+    return ids
+
+
 def test_trajectories_rerender_exactly_and_mask_only_sampled_tokens(setup):
     loop = make_loop(setup, max_trajectory_tokens=3000)
     trajs = setup["runner"].gather([loop.run(request(i, max_turns=3)) for i in range(3)])
@@ -118,10 +137,11 @@ def test_trajectories_rerender_exactly_and_mask_only_sampled_tokens(setup):
     for traj in trajs:
         traj.validate()
         assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.error
-        text = "".join(message_text(t.role, t.text) for t in traj.turns)
-        # the last assistant turn closes with <|im_end|> and the template's newline is not sampled
-        rendered = tok.encode(text, add_special_tokens=False)
-        assert traj.tokens == rendered[: len(traj.tokens)] and len(rendered) == len(traj.tokens) + 1
+        assert traj.tokens == rerender(setup["chat"], traj)
+        for t in traj.turns:  # each span's text is exactly its tokens
+            body = traj.tokens[t.start:t.end]
+            body = body[:-1] if t.role == "assistant" and body[-1] in setup["chat"].stop_ids else body
+            assert tok.decode(body, skip_special_tokens=False) == t.text
         sampled = {i for t in traj.turns if t.role == "assistant" for i in range(t.start, t.end)}
         assert {i for i, m in enumerate(traj.loss_mask) if m} == sampled
         assert traj.num_sampled > 0 and len([t for t in traj.turns if t.role == "assistant"]) >= 1

@@ -2,6 +2,7 @@
 
 import pytest
 
+from agentrl.chat.agentrl_format import AgentRLFormat
 from agentrl.rollout.agent_loop import AgentLoop, RolloutConfig, sampling_seed
 
 
@@ -12,10 +13,6 @@ def test_sampling_seeds_are_stable_and_distinct_per_episode_and_position():
     assert sampling_seed(7, 23) == seeds[7, 23]
 
 
-class _Tokenizer:
-    def convert_tokens_to_ids(self, token):
-        return 0
-
 
 class _UnseededEngine:
     seeded_sampling = False
@@ -23,5 +20,5 @@ class _UnseededEngine:
 
 def test_an_engine_without_per_request_seeds_is_refused_unless_seeding_is_off():
     with pytest.raises(ValueError, match="rollout.seeded_sampling=false"):
-        AgentLoop(_UnseededEngine(), _Tokenizer(), RolloutConfig(seeded_sampling=True))
-    AgentLoop(_UnseededEngine(), _Tokenizer(), RolloutConfig(seeded_sampling=False))
+        AgentLoop(_UnseededEngine(), AgentRLFormat(stop_ids=[0]), RolloutConfig(seeded_sampling=True))
+    AgentLoop(_UnseededEngine(), AgentRLFormat(stop_ids=[0]), RolloutConfig(seeded_sampling=False))

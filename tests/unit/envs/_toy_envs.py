@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Mapping
 
-from agentrl.envs import SandboxError, ToolEnv, ToolError, tool
+from agentrl.envs import AssistantTurn, SandboxError, ToolEnv, ToolError, answer, call, tool
 from agentrl.reward import exact_match
 
 TASKS = [{"id": f"toy-{i}", "question": f"What is {i} doubled?", "answer": str(2 * i)} for i in range(10)]
@@ -59,7 +59,5 @@ class ToyEnv(ToolEnv):
             raise RuntimeError("bug in score")
         return {"correct": exact_match(answer, task["answer"])}
 
-    def oracle(self, task: Mapping[str, Any]) -> list[str]:
-        x = int(task["id"].split("-")[1])
-        return [f'<tool_call>{{"name": "double", "arguments": {{"x": {x}}}}}</tool_call>',
-                f"<answer>{task['answer']}</answer>"]
+    def oracle(self, task: Mapping[str, Any]) -> list[AssistantTurn]:
+        return [call("double", x=int(task["id"].split("-")[1])), answer(task["answer"])]

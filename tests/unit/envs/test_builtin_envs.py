@@ -8,7 +8,9 @@ import pytest
 from gymnasium.envs.registration import load_env_creator
 from gymnasium.utils.env_checker import check_env
 
-from agentrl.envs import BUILTIN_ENVS, ToolEnv, continue_play, list_envs, make, play
+from agentrl.chat import parse_text
+from agentrl.chat.agentrl_format import AgentRLFormat
+from agentrl.envs import BUILTIN_ENVS, ToolEnv, ToolResults, answer, continue_play, list_envs, make, play
 from agentrl.envs import calc, doc_search, kv_chain, python_exec
 
 SMALL = {  # small task sets and documents: the same code paths, fast
@@ -49,8 +51,8 @@ def test_check_env_passes_without_warnings(env):
 def test_gym_make_with_its_wrappers_also_works(env):
     wrapped = gym.make(env.spec.id, **SMALL[env.spec.id])
     prompt, _ = wrapped.reset(seed=0)
-    obs, reward, terminated, truncated, info = wrapped.step("no tags")
-    assert isinstance(prompt, str) and "Error:" in obs and not terminated
+    obs, reward, terminated, truncated, info = wrapped.step(parse_text("no tags"))
+    assert isinstance(prompt, str) and isinstance(obs, ToolResults) and obs.errors and not terminated
 
 
 def test_reset_is_deterministic_per_seed(env):
@@ -71,15 +73,15 @@ def test_oracle_scores_one(env, seed):
 def plausible_wrong_answer(env_id, task):
     """A wrong answer of the right shape: a near number, a decoy value from the task, code that fails the tests."""
     if env_id == "agentrl/Calc-v0":
-        return f"<answer>{task['answer'] + 1}</answer>"
+        return answer(str(task["answer"] + 1))
     if env_id == "agentrl/KVChain-v0":
         decoy = next(v for v in json.loads(task["store"]).values() if v.startswith("VAL-") and v != task["answer"])
-        return f"<answer>{decoy}</answer>"
+        return answer(decoy)
     if env_id == "agentrl/DocSearch-v0":
         decoy = next(d["fact"].split(" is ")[-1].rstrip(".") for d in json.loads(task["docs"])
                      if "access code" in d["fact"] and task["answer"] not in d["fact"])
-        return f"<answer>{decoy}</answer>"
-    return f"<answer>\n```python\ndef {task['function']}(*args):\n    return None\n```\n</answer>"
+        return answer(decoy)
+    return answer(f"```python\ndef {task['function']}(*args):\n    return None\n```")
 
 
 def test_wrong_final_answer_scores_zero(env):
@@ -103,8 +105,10 @@ def test_an_episode_resumes_from_saved_state_in_a_fresh_env(env):
 def test_tools_and_system_prompt(env):
     schemas = env.tool_schemas()
     assert schemas and all(s["type"] == "function" and s["function"]["description"] for s in schemas)
-    prompt = env.system_prompt()
-    assert all(f'"name": "{s["function"]["name"]}"' in prompt for s in schemas)
+    assert "<" not in env.system_prompt()  # the env's own words, no format markup
+    (_, system), *_ = AgentRLFormat().prompt_pieces(env.system_prompt(), schemas, "task")
+    prompt = "".join(p.text for p in system)
+    assert all(f'"name": "{s["function"]["name"]}"' in prompt for s in schemas) and env.system_prompt() in prompt
 
 
 def test_task_sets_save_and_load_with_datasets(tmp_path):

@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-from agentrl.envs import SandboxError, SandboxLimits, make, play
+from agentrl.envs import SandboxError, SandboxLimits, answer, call, make, play
 from agentrl.envs import python_exec
 from agentrl.envs.doc_search import CHARS_PER_TOKEN, render_document
 from agentrl.envs.sandbox import detect_isolation
@@ -16,10 +16,10 @@ from agentrl.envs.sandbox import detect_isolation
 def test_doc_search_trajectories_reach_the_token_target(context_tokens):
     env = make("DocSearch-v0", num_tasks=2, context_tokens=context_tokens)
     episode = play(env, env.oracle, seed=0)
-    tokens = episode.num_chars / CHARS_PER_TOKEN
+    tokens = sum(len(str(m["content"])) for m in episode.messages()) / CHARS_PER_TOKEN
     assert episode.reward == 1.0
     assert context_tokens <= tokens <= 1.6 * context_tokens, tokens
-    assert len(episode.messages) > 10  # many turns, each a long observation
+    assert len(episode.messages()) > 10  # many turns, each a long observation
 
 
 def test_doc_search_needs_paging_search_sees_only_titles():
@@ -42,9 +42,10 @@ def test_doc_search_needs_paging_search_sees_only_titles():
 def test_doc_search_open_reports_bad_ids_and_offsets_to_the_model():
     env = make("DocSearch-v0", num_tasks=2, context_tokens=4096)
     env.reset(seed=0)
-    for call in ['{"doc_id": "doc-999"}', '{"doc_id": "paper"}', '{"doc_id": "doc-000", "offset": 10000000}']:
-        obs, _, _, _, info = env.step(f'<tool_call>{{"name": "open", "arguments": {call}}}</tool_call>')
-        assert obs.count("Error: open:") == 1 and info["status"] == "running"
+    for arguments in [{"doc_id": "doc-999"}, {"doc_id": "paper"}, {"doc_id": "doc-000", "offset": 10000000}]:
+        obs, _, _, _, info = env.step(call("open", **arguments))
+        assert obs.results[0].is_error and obs.results[0].content.startswith("Error: open:")
+        assert info["status"] == "running"
 
 
 @pytest.mark.parametrize("hops", [1, 4, 32])
@@ -74,7 +75,7 @@ def test_python_exec_partial_credit_is_logged_not_rewarded(python_env):
     wrong = "def sum_above(xs):\n    return sum(x for x in xs if x > 0)\n"  # right shape, wrong threshold
     tests = json.loads(env.task["tests"])
     expected_fraction = sum(sum(x for x in a[0] if x > 0) == e for a, e in tests) / len(tests)
-    _, reward, terminated, _, info = env.step(f"<answer>{wrong}</answer>")
+    _, reward, terminated, _, info = env.step(answer(wrong))
     assert terminated and reward == float(expected_fraction == 1.0)
     assert info["reward_components"]["tests_passed"] == pytest.approx(expected_fraction)
 
@@ -82,17 +83,18 @@ def test_python_exec_partial_credit_is_logged_not_rewarded(python_env):
 @pytest.mark.parametrize("answer", ["def broken(:\n", "import sys\nsys.exit(0)\n", "while True:\n    pass\n",
                                     "print('@@agentrl-tests-0000000000000000@@{\"passed\": 99}')\n"])
 def test_python_exec_bad_answers_score_zero_not_failed(python_env, answer):
+    from agentrl.envs import answer as final
+
     python_env.reset(seed=2)
-    _, reward, terminated, _, info = python_env.step(f"<answer>```python\n{answer}```</answer>")
+    _, reward, terminated, _, info = python_env.step(final(f"```python\n{answer}```"))
     assert terminated and info["status"] == "completed" and reward == 0.0
     assert info["reward_components"]["tests_passed"] == 0.0
 
 
 def test_python_exec_run_python_shows_outcome_and_output(python_env):
     python_env.reset(seed=2)
-    call = json.dumps({"name": "run_python", "arguments": {"code": "print(6 * 7)\nraise SystemExit(3)"}})
-    obs, *_ = python_env.step(f"<tool_call>{call}</tool_call>")
-    assert "outcome: error (exit code 3)" in obs and "stdout:\n42" in obs
+    obs, *_ = python_env.step(call("run_python", code="print(6 * 7)\nraise SystemExit(3)"))
+    assert "outcome: error (exit code 3)" in obs.results[0].content and "stdout:\n42" in obs.results[0].content
 
 
 def test_python_exec_sandbox_failure_is_a_failed_episode(python_env, monkeypatch):
@@ -100,11 +102,10 @@ def test_python_exec_sandbox_failure_is_a_failed_episode(python_env, monkeypatch
         raise SandboxError("could not start the sandbox process")
     monkeypatch.setattr(python_env.sandbox, "run", broken)
     python_env.reset(seed=0)
-    call = json.dumps({"name": "run_python", "arguments": {"code": "print(1)"}})
-    _, reward, terminated, truncated, info = python_env.step(f"<tool_call>{call}</tool_call>")
+    _, reward, terminated, truncated, info = python_env.step(call("run_python", code="print(1)"))
     assert info["status"] == "failed" and info["failure"]["boundary"] == "sandbox" and truncated
     python_env.reset(seed=0)
-    _, _, _, _, info = python_env.step("<answer>def f(): pass</answer>")
+    _, _, _, _, info = python_env.step(answer("def f(): pass"))
     assert info["status"] == "failed" and info["failure"]["boundary"] == "sandbox"
 
 
@@ -116,9 +117,8 @@ def test_python_exec_hides_a_task_set_loaded_from_disk_from_the_code():
         env = make("PythonExec-v0", tasks=path)
         env.reset(seed=0)
         code = f"import os\nprint(os.listdir({path!r}))"
-        obs, *_ = env.step(f"<tool_call>{json.dumps({'name': 'run_python', 'arguments': {'code': code}})}"
-                           "</tool_call>")
-        assert "stdout:\n[]" in obs
+        obs, *_ = env.step(call("run_python", code=code))
+        assert "stdout:\n[]" in obs.results[0].content
 
 
 def test_calc_difficulty_knobs_pick_templates_and_operand_sizes():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.envs import list_envs, make, play
+from agentrl.envs import answer, call, list_envs, make, play
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
 
@@ -26,11 +26,11 @@ def test_the_example_runs_and_its_oracle_scores_one():
     exec(compile(example(), str(DOC), "exec"), namespace)  # the block asserts reward 1.0 itself
     assert "myproject/Capitals-v0" in list_envs(namespace=None)
     env = make("myproject/Capitals-v0")
-    episode = play(env, ["<answer>Lyon</answer>"], seed=0)
+    episode = play(env, [answer("Lyon")], seed=0)
     assert episode.status == "completed" and episode.reward == 0.0
     env.reset(seed=0)
-    obs, *_ = env.step('<tool_call>{"name": "atlas", "arguments": {"country": "Mars"}}</tool_call>')
-    assert "no atlas entry for 'Mars'" in obs
+    obs, *_ = env.step(call("atlas", country="Mars"))
+    assert "no atlas entry for 'Mars'" in obs.results[0].content
 
 
 @pytest.mark.filterwarnings("ignore:.*Overriding environment")  # the test above registered the same id

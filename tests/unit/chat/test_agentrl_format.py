@@ -1,17 +1,20 @@
-"""The tool-call protocol: well-formed calls and answers, and a specific error for each kind of malformed message."""
+"""The `agentrl` format's tag protocol read from text: well-formed calls and answers, and a specific error for each
+kind of malformed message."""
 
 import json
 
 import pytest
 
-from agentrl.envs.protocol import parse_turn, render_tools
+from agentrl.chat.agentrl_format import AgentRLFormat, render_tools
+from agentrl.envs.turns import with_call_ids
+
+parse_turn = AgentRLFormat().parse_text
 
 
 def test_single_call_with_surrounding_reasoning():
-    parsed = parse_turn('Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>\n',
-                        turn=3)
-    assert parsed.errors == () and parsed.answer is None
-    (call,) = parsed.calls
+    parsed = parse_turn('Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>\n')
+    assert parsed.errors == () and parsed.answer is None and parsed.content == "Let me compute."
+    (call,) = with_call_ids(parsed, 3).calls
     assert (call.id, call.name, call.arguments) == ("call_3_0", "calc", {"x": 1})
 
 

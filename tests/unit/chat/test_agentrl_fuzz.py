@@ -1,11 +1,15 @@
-"""Parser fuzzing: 10,000+ generated malformed or adversarial messages give error observations, never exceptions."""
+"""The `agentrl` format's parser under fuzzing: 10,000+ generated malformed or adversarial messages (as text) give
+error observations from the env, never exceptions."""
 
 import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.envs import make, parse_turn
+from agentrl.chat.agentrl_format import AgentRLFormat
+from agentrl.envs import ToolResults, make
+
+parse_turn = AgentRLFormat().parse_text
 
 NUM_EXAMPLES = 10_000
 
@@ -57,13 +61,13 @@ def test_fuzzed_messages_never_raise():
         assert parsed.malformed or parsed.calls or parsed.answer is not None
         if env.state.done:
             env.reset(seed=seen["examples"])
-        observation, reward, terminated, truncated, info = env.step(text)
-        assert isinstance(observation, str) and info["status"] in ("running", "completed", "truncated")
+        observation, reward, terminated, truncated, info = env.step(parsed)
+        assert isinstance(observation, ToolResults) and info["status"] in ("running", "completed", "truncated")
         if parsed.malformed:
             seen["malformed"] += 1
             assert not terminated and info["errors"]
             if not truncated:
-                assert "Error: " in observation
+                assert observation.errors or any(r.is_error for r in observation.results)
 
     check()
     assert seen["examples"] >= NUM_EXAMPLES
