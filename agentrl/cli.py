@@ -3,7 +3,7 @@
     agentrl train CONFIG [key=value ...]     SFT warm start (if configured), then RL; curves in MLflow
     agentrl sft CONFIG [key=value ...]       only the SFT warm start on oracle trajectories
     agentrl eval CONFIG --checkpoint DIR     success rate of a checkpoint on the env's held-out tasks
-    agentrl init-model --preset tiny --out DIR
+    agentrl init-model --preset tiny [--chat-format kimi|kimi_k3|qwen3] --out DIR
     agentrl envs                             registered tool environments
     agentrl presets                          model presets with their parameter counts
     agentrl plan --preset k3 [--gpus N ...]  parameter counts, memory per GPU, a parallel layout, time estimates
@@ -49,8 +49,11 @@ def cmd_init_model(args) -> None:
     from agentrl.init_model import init_model
 
     overrides = json.loads(args.overrides) if args.overrides else None
-    out = init_model(args.out, preset=args.preset, overrides=overrides, tokenizer_dir=args.tokenizer,
-                     vocab_size=args.vocab_size, seed=args.seed)
+    try:
+        out = init_model(args.out, preset=args.preset, overrides=overrides, tokenizer_dir=args.tokenizer,
+                         vocab_size=args.vocab_size, seed=args.seed, chat_format=args.chat_format)
+    except ValueError as exc:
+        raise SystemExit(f"agentrl init-model: {exc}") from None
     print(out)
 
 
@@ -107,6 +110,8 @@ def cmd_plan(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from agentrl.chat import format_names
+
     parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL post-training for hybrid MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_text in (("train", cmd_train, "SFT warm start then RL"),
@@ -128,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--overrides", default=None, help="JSON object of config fields over the preset")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-format", default=None, choices=format_names(),
+                   help="the tokenizer layout and template (default: the preset's family, agentrl's own for agentrl's)")
     p.set_defaults(fn=cmd_init_model)
     p = sub.add_parser("envs", help="list registered tool environments")
     p.add_argument("--all", action="store_true", help="every gymnasium namespace, not only agentrl/")

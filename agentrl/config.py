@@ -11,6 +11,7 @@ reported as a ConfigError naming the key — all before any Ray actor starts. Li
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,9 @@ class ConfigError(ValueError):
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     preset: str = "tiny"  # agentrl.model.config.PRESETS
-    overrides: dict[str, Any] = field(default_factory=dict)  # HybridMoEConfig fields over the preset
-    checkpoint: str | None = None  # start from this checkpoint directory instead of a fresh preset
+    # HybridMoEConfig fields over the preset; over a checkpoint only its training knobs (init_model.CHECKPOINT_OVERRIDES)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None  # start from this checkpoint directory (agentrl's, Kimi Linear, Kimi K3)
     tokenizer: str | None = None  # tokenizer directory; None trains one on the environments' text
     vocab_size: int = 1024  # of the tokenizer trained when `tokenizer` is None
     # the template and tool-call grammar (agentrl.chat: agentrl, kimi, kimi_k3, qwen3); None: the checkpoint's own,
@@ -47,6 +49,15 @@ class ModelConfig:
         if self.chat_format is not None and self.chat_format not in format_names():
             raise ValueError(f"model.chat_format={self.chat_format!r} is not one of {format_names()} "
                              "(or null: the checkpoint's own)")
+        if self.checkpoint is not None:
+            from agentrl.init_model import CHECKPOINT_OVERRIDES
+
+            ignored = sorted(set(self.overrides) - set(CHECKPOINT_OVERRIDES))
+            if ignored:  # e.g. a config written for a fresh preset, pointed at a checkpoint
+                warnings.warn(f"model.overrides {ignored} shape a fresh preset and do not apply to model.checkpoint "
+                              f"(its weights fix them): ignored; only {list(CHECKPOINT_OVERRIDES)} apply to a "
+                              "checkpoint", stacklevel=2)
+                self.overrides = {k: v for k, v in self.overrides.items() if k in CHECKPOINT_OVERRIDES}
         if self.vocab_size < 512:
             raise ValueError(f"model.vocab_size={self.vocab_size} is too small (>= 512)")
 

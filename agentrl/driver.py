@@ -156,18 +156,23 @@ def on_all(group, method: str, *args):
 
 
 def prepare_policy(job: JobConfig) -> tuple[str, bool]:
-    """(the initial checkpoint directory, whether the run resumes). Builds a fresh preset model when needed."""
-    from agentrl.init_model import init_model
+    """(the initial checkpoint directory, whether the run resumes). Builds a fresh preset model when needed, and
+    brings in a checkpoint agentrl must rewrite (K3 layout, MXFP4, training-knob overrides) as `run_dir/initial`."""
+    from agentrl.init_model import import_checkpoint, init_model, needs_import
 
     resume = os.path.isdir(os.path.join(job.run_dir, "checkpoints"))
+    initial = os.path.join(job.run_dir, "initial")
     if job.model.checkpoint:
         check_checkpoint(job.model.checkpoint, "model.checkpoint", job.model.chat_format)
-        return job.model.checkpoint, resume
-    initial = os.path.join(job.run_dir, "initial")
+        if not needs_import(job.model.checkpoint, dict(job.model.overrides)):
+            return job.model.checkpoint, resume
+        if not os.path.exists(os.path.join(initial, "config.json")):
+            import_checkpoint(job.model.checkpoint, initial, dict(job.model.overrides))
+        return initial, resume
     if not os.path.exists(os.path.join(initial, "config.json")):
         init_model(initial, preset=job.model.preset, overrides=dict(job.model.overrides),
                    tokenizer_dir=job.model.tokenizer, vocab_size=job.model.vocab_size, env_ids=(job.env.id,),
-                   seed=job.model.seed)
+                   seed=job.model.seed, chat_format=job.model.chat_format)
     return initial, resume
 
 
@@ -307,11 +312,20 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
 
 
 def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None = None) -> dict[str, float]:
-    """`agentrl eval`: one rollout worker on `checkpoint`, greedy, over the held-out tasks."""
+    """`agentrl eval`: one rollout worker on `checkpoint`, greedy, over the held-out tasks. A checkpoint agentrl must
+    rewrite first (a K3 directory, MXFP4) is imported into a temporary directory for the evaluation."""
+    import shutil
+    import tempfile
+
+    from agentrl.init_model import import_checkpoint, needs_import
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
 
     check_env(job)
     check_checkpoint(checkpoint, "--checkpoint", job.model.chat_format)
+    imported = None
+    if needs_import(checkpoint):
+        imported = tempfile.mkdtemp(prefix="agentrl-eval-")
+        checkpoint = import_checkpoint(checkpoint, os.path.join(imported, "policy"))
     connect(job)
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus), 1,
                        (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),
@@ -321,6 +335,8 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
                                prefix="eval")
     finally:
         pool.shutdown()
+        if imported is not None:
+            shutil.rmtree(imported, ignore_errors=True)
 
 
 def finish(tracker: Tracker, trainer, pool, metrics: dict[str, float]) -> dict[str, float]:

@@ -38,7 +38,6 @@ Each forward records the routed experts of its tokens [T, L, k] and their positi
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,12 +71,11 @@ from agentrl.rollout.vllm_plugin import ARCHITECTURE, MODEL_TYPE
 ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def hybrid_config(hf_config) -> HybridMoEConfig:
-    """agentrl's config from the one vLLM loaded (vLLM's KimiLinearConfig carries every key of config.json)."""
-    names = set(inspect.signature(HybridMoEConfig.__init__).parameters) - {"self", "kwargs"}
-    values = {k: v for k, v in hf_config.to_dict().items() if k in names}
-    values["architectures"] = ["KimiLinearForCausalLM"]
-    return HybridMoEConfig(**values)
+def hybrid_config(model_dir: str) -> HybridMoEConfig:
+    """agentrl's config of the served checkpoint, read from its config.json as the trainer reads it (not from the
+    config vLLM built: its KimiLinearConfig fills missing keys with defaults of its own, e.g. rms_norm_eps 1e-6 and no
+    shared experts, where agentrl's are the family's), so engine and trainer always build the same model."""
+    return HybridMoEConfig.from_pretrained(model_dir)
 
 
 def expanded_head_size(config: HybridMoEConfig) -> int:
@@ -205,7 +203,7 @@ class AgentRLHybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMamba
                              "parallel)")
         if not vllm_config.model_config.enforce_eager:
             raise ValueError(f"{ARCHITECTURE} runs eagerly: pass enforce_eager=True")
-        config = hybrid_config(vllm_config.model_config.hf_text_config)
+        config = hybrid_config(vllm_config.model_config.model)
         self.config = config
         self.model = HybridMoEModel(config)
         model_prefix = maybe_prefix(prefix, "model")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.chat.tokenizers import copy_tokenizer_files
 from agentrl.model.checkpoint import load_checkpoint_tensors, save_state_dict, to_checkpoint_tensors
 
 WEIGHTS_DIR = "weights"
@@ -64,15 +65,14 @@ def directory_checksums(path: str) -> dict[str, str]:
     return checkpoint_checksums(load_checkpoint_tensors(path).items())
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
 def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version: int, *, keep_last: int = 3,
                   gather_s: float = 0.0, tokenizer_dir: str | None = None) -> PublishedWeights:
     """Writes `state` (training layout) as `<run_dir>/weights/v{version}` atomically; returns what was written.
 
-    With `tokenizer_dir`, its tokenizer files are copied beside the weights: every published version is then a
-    complete checkpoint (`agentrl eval --checkpoint`, `model.checkpoint`, vLLM load it without the run's policy dir).
+    With `tokenizer_dir`, every file it holds besides weights and config (the tokenizer, its code, chat templates,
+    generation_config.json: agentrl.chat.tokenizers.tokenizer_files) is copied beside the weights: every published
+    version is then a complete checkpoint (`agentrl eval --checkpoint`, `model.checkpoint`, vLLM load it without the
+    run's policy dir) that tokenizes as its source did.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -83,9 +83,8 @@ def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version:
     tmp = tempfile.mkdtemp(dir=root, prefix=f".tmp-v{version}-")
     try:
         save_state_dict(state, config, tmp)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if os.path.exists(os.path.join(tokenizer_dir, name)):
-                shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, tmp)
         checksums = state_dict_checksums(state)
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         with open(os.path.join(tmp, CHECKSUMS_FILE), "w") as f:

@@ -16,7 +16,9 @@ never raises: whatever the model wrote, it returns the calls it could read and e
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,11 +79,12 @@ def encode_pieces(tokenizer: Tokenizer, pieces: Sequence[Piece]) -> list[int]:
             ids.extend(tokenizer.encode_text("".join(run)))
             run.clear()
 
+    pattern = _markup_pattern(tokenizer.added_tokens)
     for piece in pieces:
         if isinstance(piece, Content):
             run.append(piece.text)
             continue
-        for text, token in _split_markup(piece.text, tokenizer.added_tokens):
+        for text, token in _split_markup(piece.text, pattern):
             if token is None:
                 run.append(text)
             else:
@@ -91,23 +94,23 @@ def encode_pieces(tokenizer: Tokenizer, pieces: Sequence[Piece]) -> list[int]:
     return ids
 
 
-def _split_markup(text: str, tokens: Sequence[str]) -> list[tuple[str, str | None]]:
+@functools.lru_cache(maxsize=32)
+def _markup_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+    """An alternation of `tokens`, longest first: at the leftmost position where any matches, the longest wins."""
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) or r"(?!)")
+
+
+def _split_markup(text: str, pattern: re.Pattern) -> list[tuple[str, str | None]]:
     """`text` as (plain text, None) and (marker, marker) parts, taking the leftmost and then longest marker."""
     out: list[tuple[str, str | None]] = []
     pos = 0
-    while pos < len(text):
-        best, best_at = None, len(text)
-        for token in tokens:  # longest first: the first found at the smallest position wins
-            at = text.find(token, pos, best_at + len(token))
-            if at != -1 and at < best_at:
-                best, best_at = token, at
-        if best is None:
-            out.append((text[pos:], None))
-            break
-        if best_at > pos:
-            out.append((text[pos:best_at], None))
-        out.append((best, best))
-        pos = best_at + len(best)
+    for match in pattern.finditer(text):
+        if match.start() > pos:
+            out.append((text[pos:match.start()], None))
+        out.append((match.group(), match.group()))
+        pos = match.end()
+    if pos < len(text):
+        out.append((text[pos:], None))
     return out
 
 
@@ -233,7 +236,7 @@ class ChatFormat(ABC):
         if not isinstance(text, str):
             return AssistantTurn(errors=(f"The message must be text, got {type(text).__name__}.",))
         segments: list[Segment] = []
-        for part, marker in _split_markup(text, sorted(self.structural, key=len, reverse=True)):
+        for part, marker in _split_markup(text, _markup_pattern(tuple(self.structural))):
             segments.append(Marker(marker) if marker else part)
         return self.parse_segments(segments, cut=cut, max_calls=max_calls)
 

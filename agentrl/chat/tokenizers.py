@@ -17,8 +17,8 @@ Two implementations:
   ``<|reserved_token_{id}|>`` otherwise), and its input slicing (400,000-character pieces, then runs of more than
   25,000 spaces or non-spaces split) that works around tiktoken's stack limits.
 
-``Tokenizer.files`` lists the files that make the tokenizer up; publishing copies every non-weight file a checkpoint
-has anyway (trainer/publish.py).
+`tokenizer_files` lists what a checkpoint directory holds besides weights and config (the tokenizer, its code, chat
+templates, generation_config.json): publishing copies all of it beside every weight version (trainer/publish.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -81,11 +83,6 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    @property
-    @abstractmethod
-    def files(self) -> tuple[str, ...]:
-        """The files of a checkpoint directory that make this tokenizer up."""
-
     @abstractmethod
     def get_vocab(self) -> dict[str, int]:
         """token string → id in the byte-to-unicode form of HF tokenizers (vLLM's parsers look markers up here)."""
@@ -136,10 +133,6 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return (HF_TOKENIZER_FILE, TOKENIZER_CONFIG, "special_tokens_map.json", "chat_template.jinja")
 
     def get_vocab(self) -> dict[str, int]:
         return self.hf.get_vocab()
@@ -202,10 +195,6 @@ class KimiTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode(list(ids), errors="replace")
 
-    @property
-    def files(self) -> tuple[str, ...]:
-        return (TIKTOKEN_FILE, TOKENIZER_CONFIG, "tokenization_kimi.py", "special_tokens_map.json")
-
     @cached_property
     def _vocab(self) -> dict[str, int]:
         table = bytes_to_unicode()
@@ -245,6 +234,26 @@ def has_tokenizer(directory: str) -> bool:
     return any(os.path.exists(os.path.join(directory, f)) for f in (TIKTOKEN_FILE, HF_TOKENIZER_FILE))
 
 
+# files of a checkpoint directory that are not weights, config or agentrl's bookkeeping: the tokenizer and its kin
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tmp")
+NOT_TOKENIZER_FILES = ("config.json", "model.safetensors.index.json", "checksums.json", "version.json")
+
+
+def tokenizer_files(directory: str) -> list[str]:
+    """The files of a checkpoint directory besides its weights, config and agentrl's bookkeeping: the tokenizer
+    (tokenizer.json / tiktoken.model, its config, its code), chat templates, generation_config.json, and the like."""
+    return sorted(name for name in os.listdir(directory)
+                  if os.path.isfile(os.path.join(directory, name)) and name not in NOT_TOKENIZER_FILES
+                  and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith("."))
+
+
+def copy_tokenizer_files(source: str, destination: str) -> list[str]:
+    names = tokenizer_files(source)
+    for name in names:
+        shutil.copy(os.path.join(source, name), os.path.join(destination, name))
+    return names
+
+
 def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
     """A tiktoken BPE file: one `base64(token bytes) rank` line per token."""
     ranks = {}
@@ -272,22 +281,18 @@ def kimi_encode_pieces(text: str) -> Iterator[str]:
         yield from _split_long_runs(text[start:start + KIMI_MAX_ENCODE_CHARS], KIMI_MAX_RUN_CHARS)
 
 
+_RUNS = re.compile(r"\s+|\S+")
+
+
 def _split_long_runs(text: str, limit: int) -> Iterator[str]:
-    """`text` cut so that no piece holds more than `limit` consecutive spaces or consecutive non-spaces: a cut falls
-    where a run reaches `limit` + 1 characters."""
-    if not text:
-        yield text
-        return
-    start, run, in_space = 0, 0, text[0].isspace()
-    for i, ch in enumerate(text):
-        space = ch.isspace()
-        if space != in_space:
-            run, in_space = 1, space
-            continue
-        run += 1
-        if run > limit:
-            yield text[start:i]
-            start, run = i, 1
+    """`text` cut so that no piece holds more than `limit` consecutive spaces or consecutive non-spaces: a run
+    longer than `limit` is cut every `limit` characters from its start (where the released loop starts a new piece)."""
+    start = 0
+    if len(text) > limit:
+        for run in _RUNS.finditer(text):
+            for cut in range(run.start() + limit, run.end(), limit):
+                yield text[start:cut]
+                start = cut
     yield text[start:]
 
 

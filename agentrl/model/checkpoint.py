@@ -7,6 +7,7 @@ The module tree already carries the checkpoint names (`self_attn.q_conv1d`, `blo
 - KDA's `A_log` is stored as [1, 1, H, 1] (the shape of the released Kimi Linear checkpoints, which transformers
   loads as is and vLLM's loader flattens).
 Files are safetensors shards with a `model.safetensors.index.json` when there is more than one, plus config.json.
+Released checkpoints in other layouts (Kimi K3's multimodal directory, MXFP4 experts) are read through released.py.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from agentrl.model import released
 
 _W13 = re.compile(r"(.*\.experts)\.w13_weight$")
 _W2 = re.compile(r"(.*\.experts)\.w2_weight$")
@@ -77,36 +80,69 @@ def save_checkpoint(model: torch.nn.Module, directory: str, *, shard_bytes: int 
 def save_state_dict(state: dict[str, torch.Tensor], config, directory: str, *,
                     shard_bytes: int = SHARD_BYTES) -> list[str]:
     """`save_checkpoint` from a training-layout state dict (e.g. one gathered from ZeRO-3 shards) and its config."""
+    return write_checkpoint(to_checkpoint_tensors(state), config, directory, shard_bytes=shard_bytes)
+
+
+def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config, directory: str, *,
+                     shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """config.json and safetensors shards of ≤ `shard_bytes` from checkpoint-named tensors, each shard written as it
+    fills (so a converted checkpoint never sits in memory whole); returns the shard file names."""
     os.makedirs(directory, exist_ok=True)
     config.save_pretrained(directory)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in to_checkpoint_tensors(state):
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().contiguous().cpu()
-        size += nbytes
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname in os.listdir(directory):  # a re-save must not leave stale shards behind
         if fname.endswith(".safetensors") or fname == INDEX_FILE:
             os.remove(os.path.join(directory, fname))
-    for fname, shard in zip(names, shards):
-        save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
-    if len(shards) > 1:
-        weight_map = {name: fname for fname, shard in zip(names, shards) for name in shard}
-        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = os.path.join(directory, f".shard-{len(written):05d}.tmp")
+        save_file(shard, path, metadata={"format": "pt"})
+        written.append((path, list(shard)))
+        shard.clear()
+
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = tensor.detach().contiguous().cpu()
+        size += nbytes
+        total += nbytes
+    if shard or not written:
+        flush()
+    names = (["model.safetensors"] if len(written) == 1 else
+             [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))])
+    for (path, _), fname in zip(written, names):
+        os.replace(path, os.path.join(directory, fname))
+    if len(written) > 1:
+        weight_map = {tensor: fname for (_, tensors), fname in zip(written, names) for tensor in tensors}
         with open(os.path.join(directory, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return names
 
 
 def iter_checkpoint_tensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of a checkpoint directory, one shard in memory at a time."""
+    """(checkpoint name, tensor) of a checkpoint directory, one shard in memory at a time, in agentrl's names: a Kimi
+    K3 directory's language-model tensors and dequantized MXFP4 experts (released.py)."""
+    config = _config_dict(directory)
+    if config is not None and (released.is_k3_config(config) or config.get("quantization_config")):
+        flat = released.flatten_config(config) if released.is_k3_config(config) else config
+        released.check_quantization(config.get("quantization_config"))
+        return released.normalize_names(_iter_files(directory), int(flat["num_hidden_layers"]))
+    return _iter_files(directory)
+
+
+def _config_dict(directory: str) -> dict | None:
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _iter_files(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
@@ -127,9 +163,17 @@ def load_checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def load_state_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Loads checkpoint-named tensors into a model strictly: every missing or unexpected name is an error."""
+    """Loads checkpoint-named tensors into a model strictly: any missing, unexpected or misshapen tensor is a
+    ValueError naming them (all of them, up to 20 per kind), before anything is copied."""
     state = from_checkpoint_tensors(tensors)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"checkpoint does not match the model: missing {result.missing_keys[:8]}, "
-                         f"unexpected {result.unexpected_keys[:8]}")
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshapen = sorted(f"{n} {tuple(state[n].shape)} (model: {tuple(expected[n].shape)})"
+                       for n in set(state) & set(expected) if state[n].shape != expected[n].shape)
+    if missing or unexpected or misshapen:
+        raise ValueError("checkpoint does not match the model built from its config: "
+                         + "; ".join(f"{len(names)} {kind}: {', '.join(names[:20])}"
+                                     for kind, names in (("missing", missing), ("unexpected", unexpected),
+                                                         ("of another shape", misshapen)) if names))
+    model.load_state_dict(state, strict=True)

@@ -5,6 +5,15 @@ The config.json a checkpoint carries is read by three parties: this package, ups
 vLLM's (`vllm/transformers_utils/configs/kimi_linear.py`); agentrl-only training knobs (load balancing) are extra keys
 that the others ignore.
 
+Missing keys take the family's defaults, not agentrl's K3 presets: the K3 features default to off as in vLLM's
+KimiLinearConfig (no MLA output gate; `linear_attn_config` without `gate_lower_bound` is the unbounded gate, without
+`use_full_rank_gate` the low-rank output gate; no AttnRes, no latent experts), so the released Kimi Linear
+config.json, which names none of them, builds Kimi Linear. The presets (and so every checkpoint agentrl writes: it
+saves every key) state their K3 features explicitly. The load balancer is an agentrl training knob, off unless the
+config names it: fine-tuning a released checkpoint keeps its router bias as released (`model.overrides.moe_balancing`
+turns Quantile Balancing on). A K3 directory's nested config is flattened on load (released.py); an incoming
+`head_dim` is ignored (agentrl derives it; the released config's 72 is unused by every reader).
+
 Layer layout: `linear_attn_config["kda_layers"]` and `["full_attn_layers"]` list 1-based layer numbers; every layer is
 in exactly one of them. `first_k_dense_replace` layers at the bottom use a dense MLP; the others are MoE.
 """
@@ -61,7 +70,7 @@ class HybridMoEConfig(PretrainedConfig):
         qk_rope_head_dim: int = 64,
         v_head_dim: int = 128,
         mla_use_nope: bool = True,
-        mla_use_output_gate: bool = True,
+        mla_use_output_gate: bool = False,
         # MoE
         num_experts: int | None = 64,
         num_experts_per_token: int = 8,
@@ -86,8 +95,8 @@ class HybridMoEConfig(PretrainedConfig):
         max_position_embeddings: int = 1048576,
         # KDA's per-head output norm: vLLM's K3 kernels fix eps at 1e-5 (transformers' port uses rms_norm_eps)
         kda_output_norm_eps: float = 1e-5,
-        # agentrl training knobs (ignored by vLLM)
-        moe_balancing: str = "quantile",
+        # agentrl training knobs (ignored by vLLM); off by default: a released router bias stays as released
+        moe_balancing: str = "none",
         moe_balancing_bins: int = 4096,
         moe_balancing_sign_rate: float = 1e-3,
         **kwargs,
@@ -98,6 +107,7 @@ class HybridMoEConfig(PretrainedConfig):
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        kwargs.pop("head_dim", None)  # derived below; a config's own value (the released 72) means nothing here
         self.head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.hidden_act = hidden_act
         self.activation_situ_beta = activation_situ_beta
@@ -137,8 +147,6 @@ class HybridMoEConfig(PretrainedConfig):
                 "num_heads": num_attention_heads,
                 "head_dim": 128,
                 "short_conv_kernel_size": 4,
-                "gate_lower_bound": -5.0,
-                "use_full_rank_gate": True,
             }
         self.linear_attn_config = dict(linear_attn_config)
         self.attn_res_block_size = attn_res_block_size
@@ -152,6 +160,18 @@ class HybridMoEConfig(PretrainedConfig):
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> HybridMoEConfig:
+        """Also reads a Kimi K3 config.json (its language model's `text_config`, flattened; released.py)."""
+        from agentrl.model import released
+
+        if released.is_k3_config(config_dict):
+            config_dict = released.flatten_config(config_dict)
+        elif config_dict.get("quantization_config"):
+            released.check_quantization(config_dict["quantization_config"])
+            config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+        return super().from_dict(config_dict, **kwargs)
 
     # --- derived layout -------------------------------------------------------------------------------------------
     def is_kda_layer(self, layer_idx: int) -> bool:
@@ -245,13 +265,16 @@ def _layout(num_layers: int, mla_every: int) -> dict[str, list[int]]:
     return {"kda_layers": [i for i in range(1, num_layers + 1) if i not in full], "full_attn_layers": full}
 
 
+# what agentrl's own presets add to the family's defaults besides the bounded gate and AttnRes
+_K3_FEATURES = dict(mla_use_output_gate=True, moe_balancing="quantile")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the quickstart: < 5M parameters.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
-        first_k_dense_replace=1, routed_scaling_factor=1.0, attn_res_block_size=2,
+        first_k_dense_replace=1, routed_scaling_factor=1.0, attn_res_block_size=2, **_K3_FEATURES,
         linear_attn_config=dict(_layout(4, 4), num_heads=2, head_dim=16, short_conv_kernel_size=4,
                                 gate_lower_bound=-5.0, use_full_rank_gate=True),
     ),
@@ -260,10 +283,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
         kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
         num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=512,
-        first_k_dense_replace=1, routed_scaling_factor=2.0, attn_res_block_size=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.0, attn_res_block_size=2, **_K3_FEATURES,
         routed_expert_hidden_size=512, latent_moe_use_norm=True,
         linear_attn_config=dict(_layout(8, 4), num_heads=8, head_dim=128, short_conv_kernel_size=4,
                                 gate_lower_bound=-5.0, use_full_rank_gate=True),
+    ),
+    # The released Kimi Linear's shape at CPU-test size: its config.json's keys (no output gate, unbounded gate,
+    # low-rank output gate, no AttnRes, router bias kept), shrunk; 3 KDA : 1 MLA with the last layer MLA.
+    "kimi-linear-tiny": dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+        num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+        routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+        linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=2, head_dim=16,
+                                short_conv_kernel_size=4),
     ),
     # moonshotai/Kimi-Linear-48B-A3B (the released Kimi Linear: unbounded gate, low-rank output gate, no AttnRes).
     "kimi-linear-48b-a3b": dict(
@@ -283,7 +316,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
         routed_expert_hidden_size=3584, latent_moe_use_norm=True, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, hidden_act="situ", activation_situ_beta=1.0, attn_res_block_size=8,
+        routed_scaling_factor=2.5, hidden_act="situ", activation_situ_beta=1.0, attn_res_block_size=8, **_K3_FEATURES,
         linear_attn_config=dict(_layout(93, 4), num_heads=96, head_dim=128, short_conv_kernel_size=4,
                                 gate_lower_bound=-5.0, use_full_rank_gate=True),
     ),
