@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from agentrl.chat.agentrl_format import (ANSWER_CLOSE, ANSWER_OPEN, EOS, IM_END, IM_START, RESPONSE_CLOSE,
-                                         RESPONSE_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, AgentRLFormat)
+                                         RESPONSE_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN)
 
 SPECIAL_TOKENS = [EOS, IM_START, IM_END]
 PROTOCOL_TOKENS = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE]
@@ -61,19 +61,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency:
 def environment_corpus(env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
                        episodes_per_env: int = 200, seed: int = 0) -> list[str]:
     """Oracle episodes of the given environments (system prompt, task, gold tool calls and answers) as the `agentrl`
-    format renders them, each closed by the template's newline after its last message."""
-    from agentrl.envs import make, play
+    format renders them, each closed by the template's newline after its last message (as this tokenizer was always
+    trained: the trained merges, and so the quickstart's tokenizer, stay as they were)."""
+    from agentrl.chat.tiny_tokenizers import format_corpus
 
-    chat = AgentRLFormat()
-    texts: list[str] = []
-    for env_id in env_ids:
-        env = make(env_id)
-        for i in range(episodes_per_env):
-            episode = play(env, env.oracle, seed=seed + i)
-            steps = [(turn, episode.observations[k] if k < len(episode.observations) else None)
-                     for k, turn in enumerate(episode.turns)]
-            texts.append(chat.conversation_text(episode.system, episode.tools, episode.prompt, steps) + "\n")
-    return texts
+    return [text + "\n" for text in format_corpus("agentrl", env_ids, episodes_per_env, seed)]
 
 
 def build_tokenizer(out_dir: str, *, vocab_size: int = 2048,

@@ -42,6 +42,11 @@ class Episode:
     def reward_components(self) -> dict[str, float]:
         return self.infos[-1]["reward_components"] if self.infos else {}
 
+    def steps(self) -> list[tuple[AssistantTurn, ToolResults | None]]:
+        """Each turn with the results it got (None after the last): what a chat format renders turn by turn."""
+        return [(turn, self.observations[k] if k < len(self.observations) else None)
+                for k, turn in enumerate(self.turns)]
+
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as OpenAI-style messages: system, user, then assistant messages (``tool_calls`` with
         JSON-string arguments, ``reasoning_content``) each followed by one ``tool`` message per result."""

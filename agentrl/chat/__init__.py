@@ -54,7 +54,7 @@ def detect_format(tokenizer: Tokenizer, directory: str | None = None) -> str:
 _DETECTION_ORDER = ("kimi_k3", "kimi", "agentrl", "qwen3")
 
 
-def stop_ids(directory: str) -> list[int]:
+def checkpoint_stop_ids(directory: str) -> list[int]:
     """The ids that end a generation: generation_config.json's `eos_token_id`, else config.json's (int or list)."""
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(directory, name)
@@ -82,8 +82,8 @@ def load_chat_format(directory: str, name: str | None = None, **options: Any) ->
     """The chat format of the checkpoint (or tokenizer) directory `directory`: its tokenizer, its stop ids, and the
     format `name` or the one detected from the tokenizer."""
     tokenizer = load_tokenizer(directory)
-    return get_format(name or detect_format(tokenizer, directory), tokenizer, stop_ids=stop_ids(directory),
-                      **options)
+    return get_format(name or detect_format(tokenizer, directory), tokenizer,
+                      stop_ids=checkpoint_stop_ids(directory), **options)
 
 
 def parse_text(text: Any, name: str = "agentrl") -> Any:
@@ -102,5 +102,5 @@ def _tokenizer_config(directory: str) -> dict[str, Any]:
 __all__ = [
     "ChatFormat", "Content", "FORMATS", "HFTokenizer", "KimiTokenizer", "Marker", "Markup", "RenderedPrompt",
     "Tokenizer", "detect_format", "format_names", "get_format", "has_tokenizer", "load_chat_format",
-    "load_tokenizer", "parse_text", "stop_ids",
+    "load_tokenizer", "parse_text", "checkpoint_stop_ids",
 ]

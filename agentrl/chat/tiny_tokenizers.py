@@ -68,9 +68,7 @@ def format_corpus(chat_format: str, env_ids: Iterable[str], episodes_per_env: in
         env = make(env_id)
         for i in range(episodes_per_env):
             episode = play(env, env.oracle, seed=seed + i)
-            steps = [(turn, episode.observations[k] if k < len(episode.observations) else None)
-                     for k, turn in enumerate(episode.turns)]
-            texts.append(chat.conversation_text(episode.system, episode.tools, episode.prompt, steps))
+            texts.append(chat.conversation_text(episode.system, episode.tools, episode.prompt, episode.steps()))
     return texts
 
 

@@ -85,3 +85,32 @@ def test_render_tools_puts_one_schema_per_line():
     lines = render_tools(schemas).splitlines()
     assert lines[0] == "<tools>" and lines[-1] == "</tools>"
     assert [json.loads(line) for line in lines[1:-1]] == schemas
+
+
+def test_the_quickstart_layout_is_byte_identical_to_before_formats_existed():
+    """The quickstart's tokenizer (tests/data) on a Calc oracle episode: the format's ids equal what agentrl wrote
+    before chat formats: each message's ChatML text encoded whole, the oracle's tag strings as the assistant turns."""
+    from pathlib import Path
+
+    from agentrl.chat import load_chat_format
+    from agentrl.chat.agentrl_format import PROTOCOL_INSTRUCTIONS
+    from agentrl.envs import make
+    from agentrl.envs.calculator import evaluate, format_number
+    from agentrl.rollout.oracle import oracle_trajectory
+
+    directory = str(Path(__file__).resolve().parents[2] / "data" / "quickstart-warm-start")
+    chat = load_chat_format(directory)
+    hf = chat.tokenizer.hf
+    env = make("agentrl/Calc-v0", max_turns=3, kinds=[0, 3], max_operand=9)
+    traj = oracle_trajectory(env, chat, env_id="agentrl/Calc-v0", task_index=5, seed=5)
+    task = env.tasks[5]
+    system = (PROTOCOL_INSTRUCTIONS + "\n\nAvailable tools:\n" + render_tools(env.tool_schemas()) + "\n\n"
+              + env.instructions)
+    call_text = json.dumps({"name": "calculate", "arguments": {"expression": task["expression"]}})
+    result = format_number(evaluate(task["expression"]))
+    before = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{task['question']}<|im_end|>\n"
+              f"<|im_start|>assistant\nI will compute it.\n<tool_call>{call_text}</tool_call><|im_end|>"
+              f"\n<|im_start|>tool\n<tool_response>\n{result}\n</tool_response>"
+              f"<|im_end|>\n<|im_start|>assistant\n<answer>{result}</answer><|im_end|>")
+    assert traj.reward == 1.0
+    assert traj.tokens == hf.encode(before, add_special_tokens=False)

@@ -76,6 +76,14 @@ def test_turns_read_back_as_written(formats, name, markers):
             parsed = chat.parse_turn(ids)
             assert same_turn(parsed, turn, name), (turn, parsed)
             assert parsed == chat.parse_turn(ids[:-1])  # the stop token is not part of the turn
+            prefix = ids[:gen.rng.randrange(len(ids))]
+            cut = chat.parse_turn(prefix, cut=True)  # ended at the token limit
+            # where the message itself is the answer, a cut one never is, unless (K3) its element was closed
+            closed = name == "kimi_k3" and chat.tokenizer.decode(prefix).endswith("<|close|>message<|sep|>")
+            if name == "agentrl" or closed:
+                assert cut.errors or cut.calls or cut.answer is not None
+            else:
+                assert cut.answer is None and (cut.errors or cut.calls)
 
 
 def sanitized(value):
