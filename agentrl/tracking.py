@@ -1,6 +1,7 @@
 """Experiment tracking in MLflow: the resolved config, per-step metrics, readable transcripts.
 
-The only module that imports MLflow, and it uses MlflowClient alone: the fluent API keeps a process-global tracking
+The only module that imports MLflow (when a tracker is made: `TrackingConfig` loads without it, so configs and the
+commands that need no MLflow work on a core install), and it uses MlflowClient alone: the fluent API keeps a process-global tracking
 URI and active run (and writes MLFLOW_TRACKING_URI into the environment), which two jobs in one process would share.
 The embedded default writes a sqlite store inside the run directory
 (`<run_dir>/mlflow.db`), so `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the reward curve of a
@@ -20,8 +21,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from mlflow.entities import Metric, Param
 
 from agentrl.types import Trajectory
 
@@ -75,6 +74,8 @@ class Tracker:
 
     def log_config(self, resolved: Mapping[str, Any], yaml_text: str) -> None:
         """The whole resolved config as flattened params, and the YAML file as an artifact."""
+        from mlflow.entities import Param
+
         params = {k: str(v)[:500] for k, v in _flatten(resolved).items()}
         existing = self.client.get_run(self.run_id).data.params
         new = [Param(k, v) for k, v in params.items() if k not in existing]  # immutable: a resume skips them
@@ -83,6 +84,8 @@ class Tracker:
         self.client.log_text(self.run_id, yaml_text, "config.yaml")
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         clean = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and _finite(v)]
         for i in range(0, len(clean), 500):

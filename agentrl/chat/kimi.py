@@ -12,8 +12,8 @@
 No separators between messages; without a system prompt the template's default one ("You are Kimi, ...") is
 rendered. The tool declaration is the released tokenizer's: schemas with their keys sorted at every level
 (`TikTokenTokenizer.apply_chat_template`), dumped with compact separators. A call's id is `functions.{name}:{index}`
-(index 0-based within the turn), which is where vLLM's `kimi_k2` parser reads the name from; arguments are the JSON
-the model wrote. A message without a tool-call section is the final answer: Kimi models have no answer tag. Problems
+(index 0-based within the turn), which is where vLLM's `kimi_k2` parser reads the name from (a call or result whose
+id has another format's form is rendered with that canonical id); arguments are the JSON the model wrote. A message without a tool-call section is the final answer: Kimi models have no answer tag. Problems
 with a turn as a whole go back as a system message after the results; a call whose id was read but whose arguments
 were not becomes an error result for that id.
 
@@ -40,8 +40,10 @@ _CALL_ID = re.compile(r".+:\d+", re.S)
 MAX_CALL_CHARS = 20_000
 
 
-def call_id(name: str, index: int) -> str:
-    return f"functions.{name}:{index}"
+def call_id(name: str, index: int, given: str = "") -> str:
+    """The id a Kimi model writes for call `index` of a turn: `given` if it has Kimi's form (the model wrote it),
+    else `functions.{name}:{index}` (a call from an oracle, or named by another format's convention)."""
+    return given if _CALL_ID.fullmatch(given) else f"functions.{name}:{index}"
 
 
 class KimiFormat(ChatFormat):
@@ -69,16 +71,17 @@ class KimiFormat(ChatFormat):
         if turn.calls:
             pieces.append(Markup(SECTION_BEGIN))
             for i, call in enumerate(turn.calls):
-                pieces += [Markup(CALL_BEGIN), Content(call.id or call_id(call.name, i)), Markup(ARGUMENT_BEGIN),
+                pieces += [Markup(CALL_BEGIN), Content(call_id(call.name, i, call.id)), Markup(ARGUMENT_BEGIN),
                            Content(json.dumps(call.arguments, ensure_ascii=False)), Markup(CALL_END)]
             pieces.append(Markup(SECTION_END))
         return pieces + [Markup(IM_END)]
 
     def observation_pieces(self, observation: ToolResults) -> list[Piece]:
         pieces: list[Piece] = []
-        for result in observation.results:
+        for i, result in enumerate(observation.results):  # one result per call, in call order
             pieces += [Markup(IM_SYSTEM), Content(result.name or "tool"), Markup(f"{IM_MIDDLE}## Return of "),
-                       Content(result.call_id), Markup("\n"), Content(result.content), Markup(IM_END)]
+                       Content(call_id(result.name, i, result.call_id)), Markup("\n"), Content(result.content),
+                       Markup(IM_END)]
         if observation.errors:
             pieces += _message(IM_SYSTEM, "system", "\n".join(f"Error: {e}" for e in observation.errors))
         return pieces + [Markup(f"{IM_ASSISTANT}assistant{IM_MIDDLE}")]

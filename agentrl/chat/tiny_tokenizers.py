@@ -155,9 +155,10 @@ def build_qwen3_tokenizer(out_dir: str, texts: list[str], *, vocab_size: int = 1
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(QWEN3_SPECIAL)  # in Qwen3's order, right after the merges
+    tok.add_tokens(QWEN3_ADDED)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None, additional_special_tokens=QWEN3_SPECIAL[1:])
-    fast.add_tokens(QWEN3_ADDED)
     fast.chat_template = template("qwen3")
     fast.model_max_length = 1 << 20
     os.makedirs(out_dir, exist_ok=True)

@@ -216,3 +216,22 @@ def test_kimi_renders_the_documented_stream(formats):
         'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|>'
         '<|tool_calls_section_end|><|im_end|><|im_system|>get_weather<|im_middle|>## Return of '
         'functions.get_weather:0\n{"weather": "Sunny"}<|im_end|><|im_assistant|>assistant<|im_middle|>')
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_an_episode_played_without_a_format_renders_in_every_format(formats, name):
+    """play() records calls with the env's ids (call_1_0); a format whose model writes ids (Kimi) renders its own."""
+    from agentrl.envs import make, play as play_episode
+
+    chat = formats[name]
+    env = make("agentrl/KVChain-v0", num_tasks=3, hops=2)
+    episode = play_episode(env, env.oracle, seed=0)
+    assert episode.turns[0].calls[0].id == "call_1_0"
+    for turn, observation in episode.steps():
+        parsed = chat.parse_turn(chat.render_turn(turn))
+        assert not parsed.errors and [(c.name, c.arguments) for c in parsed.calls] == \
+               [(c.name, c.arguments) for c in turn.calls]
+        if observation is not None:
+            text = chat.tokenizer.decode(chat.render_observation(observation))
+            assert observation.results[0].content in text
+            assert name != "kimi" or f"## Return of functions.lookup:0\n{observation.results[0].content}" in text
