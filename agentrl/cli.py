@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
     from agentrl.config import ConfigError
+    from agentrl.interrupt import JobInterrupted
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("vllm", "ray", "mlflow", "deepspeed", "datasets", "urllib3"):
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
         args.fn(args)
     except ConfigError as exc:  # from loading the config, or the driver's checks before any actor starts
         sys.exit(f"agentrl: bad config: {exc}")
+    except JobInterrupted as exc:  # checkpointed; the same command line resumes
+        print(f"agentrl: {exc}: {' '.join(['agentrl', *(argv if argv is not None else sys.argv[1:])])}",
+              file=sys.stderr)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ store replays its Parquet log to that position; the MLflow run is reopened and i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -23,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.config import JobConfig, check_checkpoint, check_env
+from agentrl.interrupt import JobInterrupted, StopRequest
 from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
@@ -34,16 +36,36 @@ log = logging.getLogger("agentrl")
 
 
 def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = True) -> dict[str, Any]:
-    """Runs (or resumes) the job in `job.run_dir`; returns the final metrics."""
+    """Runs (or resumes) the job in `job.run_dir`; returns the final metrics.
+
+    SIGINT / SIGTERM stop it at the next step boundary with a checkpoint (JobInterrupted; the MLflow run ends KILLED);
+    any other failure ends the MLflow run FAILED. Either way the job's actors are shut down.
+    """
+    check_env(job)  # a bad env setting fails here, before any actor starts
+    connect(job)
+    tracker = Tracker(job.tracking, job.run_dir)
+    try:
+        with StopRequest() as stop, contextlib.ExitStack() as actors:
+            metrics = train(job, resolved, tracker, stop, actors, rl=rl)
+    except JobInterrupted:
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish()
+    return metrics
+
+
+def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: StopRequest,
+          actors: contextlib.ExitStack, *, rl: bool) -> dict[str, float]:
+    """The job's loop (see the module docstring); the actors it starts are shut down by `actors`."""
     import ray
 
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
     from agentrl.store import TrajectoryStoreActor
     from agentrl.trainer.actor import create_trainer_group
 
-    check_env(job)  # a bad env setting fails here, before any actor starts
-    connect(job)
-    tracker = Tracker(job.tracking, job.run_dir)
     if resolved is not None:
         tracker.log_config(OmegaConf.to_container(resolved, resolve=True), OmegaConf.to_yaml(resolved))
     policy_dir, resume = prepare_policy(job)
@@ -51,28 +73,38 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     trainer = create_trainer_group(job.trainer, policy_dir, num_ranks=job.cluster.trainer_ranks,
                                    num_cpus_per_rank=job.cluster.trainer_cpus,
                                    num_gpus_per_rank=job.cluster.trainer_gpus)
-    state = on_all(trainer, "load_checkpoint") if resume else {"global_step": 0, "store_position": 0}
+    actors.callback(trainer.shutdown)
+    # a checkpoint before phases existed is an RL one; a fresh run starts with the warm start (when it has one)
+    state = (on_all(trainer, "load_checkpoint") if resume
+             else {"global_step": 0, "store_position": 0, "phase": "sft" if job.algorithm.sft_steps else "rl"})
     store = TrajectoryStoreActor.remote(job.store_config(), resume=resume, position=state.get("store_position"))
+    actors.callback(ray.kill, store)
     weights = on_all(trainer, "publish_weights")
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus, num_gpus=job.cluster.rollout_gpus),
                        job.rollout.num_workers, (engine_spec(job, weights.path), policy_dir, rollout_config(job)),
                        {"version": weights.version})
+    actors.callback(pool.shutdown)
     sampler = TaskSampler(job)
     step = state.get("rl_step", 0)
     tracker.log_metrics({"phase/setup_s": time.perf_counter() - t0}, step=step)
     log.info("job ready in %.0fs: policy version %d, rl step %d", time.perf_counter() - t0, weights.version, step)
 
-    if not resume and job.algorithm.sft_steps:
-        weights = warm_start(job, trainer, tracker, pool, sampler)
+    if state.get("phase", "rl") == "sft":
+        weights = warm_start(job, trainer, tracker, pool, sampler, stop, first_step=state.get("sft_step", 0) + 1)
         pool.update_weights(weights.path, weights.version)
+        on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "rl"})  # SFT is done
     if not rl:
-        return finish(tracker, trainer, pool, {})
+        return {}
 
     def submit_rollout(at_step: int):
-        """Starts step `at_step`'s episodes (and the paused ones) under that step's context limit."""
+        """Starts step `at_step`'s episodes (and the paused ones) under that step's context limit. After a resume the
+        store may already hold some of them (finished or paused after the checkpoint): those are not sampled again."""
         limit_at = job.algorithm.max_trajectory_tokens(at_step, job.rollout.max_trajectory_tokens)
         pool.set_max_trajectory_tokens(limit_at)
-        return pool.submit(sampler.requests(at_step), ray.get(store.take_partials.remote()), job.rollout.token_budget)
+        requests = sampler.requests(at_step)
+        held = set(ray.get(store.held.remote([r.trajectory_id for r in requests])))
+        fresh = [r for r in requests if r.trajectory_id not in held]
+        return pool.submit(fresh, ray.get(store.take_partials.remote()), job.rollout.token_budget)
 
     tracker.log_metrics(evaluate(pool, job, sampler), step=step)
     in_flight = submit_rollout(step)
@@ -114,13 +146,16 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
         t_log = time.perf_counter()
         tracker.log_metrics(metrics, step=step)                                             # log
         tracker.log_transcripts(trajectories, step)
-        if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps:
+        stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
+        if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps or stopping:
             position = ray.get(store.stats.remote())["position"]
-            on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step})
+            on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step, "phase": "rl"})
         tracker.log_metrics({"time/log_s": time.perf_counter() - t_log}, step=step)  # logging + checkpoint
         log.info("step %d: reward %.3f success %.3f (%.0fs)", step, metrics.get("rollout/reward_mean", 0.0),
                  metrics.get("rollout/success_rate", 0.0), metrics["time/step_s"])
-    return finish(tracker, trainer, pool, metrics)
+        if stopping:
+            raise stop.interrupted(f"RL step {step} of {job.algorithm.steps}")
+    return metrics
 
 
 # --- the pieces the loop calls ---------------------------------------------------------------------------------------
@@ -260,11 +295,14 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
     return rollout_metrics(trajectories, prefix="eval")
 
 
-def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSampler):
+def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSampler, stop: StopRequest, *,
+               first_step: int = 1):
     """SFT on oracle trajectories of the training tasks; returns the published weights.
 
     With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
-    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target.
+    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target. A stop
+    request checkpoints after the current SFT step; a resumed warm start continues at `first_step` with the tasks
+    it would have drawn.
     """
     from agentrl.chat import load_chat_format
     from agentrl.envs import make
@@ -275,13 +313,16 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     chat = load_chat_format(policy_dir, job.model.chat_format)
     env = make(job.env.id, **job.env.kwargs)
     rng = random.Random(job.seed)
+    for _ in range((first_step - 1) * algo.sft_batch_episodes):  # the draws of the steps already taken
+        rng.randrange(job.env.train_tasks)
     sft = LossConfig(kind="sft")
     if algo.sft_lr is not None:
         on_all(trainer, "set_lr", algo.sft_lr)
     # the engine's first generation (its start-up and compilation, ~40 s on the CPU) overlaps the first SFT steps
     # instead of stalling the first check
     warmup = pool.submit(sampler.eval_requests(), temperature=0.0) if algo.sft_target_success is not None else None
-    for step in range(1, algo.sft_steps + 1):
+    step = first_step - 1
+    for step in range(first_step, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
         batch = [oracle_trajectory(env, chat, env_id=job.env.id, task_index=i, seed=i,
                                    group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
@@ -302,6 +343,9 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
                      ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics))
         if reached:
             break
+        if stop.requested:  # checkpointed before the check returns: no window for a signal to slip through
+            on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "sft", "sft_step": step})
+            raise stop.interrupted(f"SFT step {step} of {algo.sft_steps}")
     if warmup is not None:
         pool.collect(warmup)
     tracker.log_metrics({"sft/steps_run": step}, step=step - 1)
@@ -339,8 +383,3 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
             shutil.rmtree(imported, ignore_errors=True)
 
 
-def finish(tracker: Tracker, trainer, pool, metrics: dict[str, float]) -> dict[str, float]:
-    pool.shutdown()
-    trainer.shutdown()
-    tracker.finish()
-    return metrics

@@ -189,6 +189,11 @@ class TrajectoryStore:
             self._counters["partials_taken"] += len(taken)
         return taken
 
+    def held(self, trajectory_ids: list[str]) -> list[str]:
+        """Those of `trajectory_ids` the store already holds (put, or paused in the partial pool): after a resume,
+        the episodes a run had finished or paused past its checkpoint, which it must not sample again."""
+        return [i for i in trajectory_ids if i in self._seen_ids or i in self._partials]
+
     # --- reading ------------------------------------------------------------------------------------------------------
     def take_batch(self, num_groups: int, current_version: int, max_staleness: int) -> Batch | None:
         """The oldest `num_groups` complete groups whose lag ≤ max_staleness, or None if there are fewer.

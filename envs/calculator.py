@@ -4,7 +4,9 @@ Only these nodes are evaluated: number literals, ``+ - * / // % **``, unary ``+ 
 ``pi`` and ``e``, and calls of a few math functions by name. Everything else (names, attributes, subscripts,
 strings, lambdas, comprehensions) is rejected before anything runs. Sizes are bounded so no expression can take
 long or use much memory: at most ``MAX_CHARS`` characters, ``MAX_NODES`` nodes, integers of ``MAX_INT_BITS`` bits,
-and ``**`` only with exponents that keep results within those bounds.
+``**`` only with exponents that keep results within those bounds, and every function argument checked before the
+function runs (``round``'s digits within ±``MAX_ROUND_DIGITS``: ``round(1, -10**9)`` would build 10**(10**9) while
+holding the GIL, where no timeout can interrupt it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable
 MAX_CHARS = 500
 MAX_NODES = 200
 MAX_INT_BITS = 4096
+MAX_ROUND_DIGITS = 100
 
 Number = int | float
 
@@ -92,6 +95,7 @@ def _eval(node: ast.AST) -> Number:
         if node.keywords:
             raise ExpressionError(f"{node.func.id}() takes positional arguments only")
         args = [_eval(arg) for arg in node.args]
+        _check_arguments(node.func.id, args)
         try:
             return _checked(_FUNCTIONS[node.func.id](*args))
         except TypeError as exc:
@@ -99,6 +103,19 @@ def _eval(node: ast.AST) -> Number:
     what = node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else type(node).__name__
     raise ExpressionError(f"{what!r} is not allowed; use numbers, + - * / // % **, parentheses, "
                           f"pi, e and {', '.join(_FUNCTIONS)}")
+
+
+def _check_arguments(name: str, args: list[Number]) -> None:
+    """Bounds on what a function may be given, checked before it runs (see the module docstring)."""
+    for arg in args:
+        if isinstance(arg, float) and not math.isfinite(arg):
+            raise ExpressionError(f"{name}() needs finite numbers")
+    if name == "round" and len(args) == 2:
+        digits = args[1]
+        if not isinstance(digits, int) or isinstance(digits, bool):
+            raise ExpressionError("round()'s second argument must be a whole number of digits")
+        if abs(digits) > MAX_ROUND_DIGITS:
+            raise ExpressionError(f"round() to {digits} digits: at most {MAX_ROUND_DIGITS} either way")
 
 
 def _check_power(base: Number, exponent: Number) -> None:

@@ -5,7 +5,8 @@ layout (`HybridMoEForCausalLM.save_pretrained` format, which vLLM's Kimi loader 
 `checksums.json` (sha256 of each stored tensor's bytes, with dtype and shape) and `version.json`. A version appears
 atomically: it is written under a temporary name in the same directory and renamed; `weights/LATEST` (the name of
 the newest version) is replaced atomically after the rename. Old versions beyond `keep_last` are deleted, oldest
-first (an engine still loading one of them has `keep_last − 1` publishes of grace).
+first (an engine still loading one of them has `keep_last − 1` publishes of grace); versions above the one just
+written (left by a run that resumed from an earlier checkpoint) are deleted, so LATEST always names a kept version.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _prune(root, version, keep_last)
     _write_atomic(os.path.join(root, LATEST_FILE), f"v{version}\n")
-    _prune(root, keep_last)
     return PublishedWeights(version=version, path=final, checksums=checksums, num_bytes=num_bytes,
                             gather_s=gather_s, write_s=time.perf_counter() - start)
 
@@ -121,8 +122,14 @@ def _versions(root: str) -> list[int]:
     return sorted(int(n[1:]) for n in os.listdir(root) if n.startswith("v") and n[1:].isdigit())
 
 
-def _prune(root: str, keep_last: int) -> None:
-    for v in _versions(root)[:-keep_last]:
+def _prune(root: str, version: int, keep_last: int) -> None:
+    """Keeps `version` and the `keep_last` − 1 versions below it. Versions above it are a future that did not happen
+    (a run resumed from an earlier checkpoint publishes a lower version again) and go first; pruning by number alone
+    would delete the version just written and leave LATEST naming it."""
+    versions = _versions(root)
+    stale = [v for v in versions if v > version]
+    older = [v for v in versions if v <= version][:-keep_last]
+    for v in stale + older:
         shutil.rmtree(os.path.join(root, f"v{v}"), ignore_errors=True)
 
 

@@ -170,3 +170,11 @@ def test_in_memory_store_writes_nothing(tmp_path):
     s.put(traj("a", "A"))
     assert s.take_batch(1, 0, 0).group_ids == ["A"]
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_held_names_what_a_resumed_run_must_not_sample_again(tmp_path):
+    s = store(tmp_path)
+    _fill(s, "AB")
+    s.put_partial(traj("C0", "C", status=Status.PARTIAL))
+    r = TrajectoryStore.open(str(tmp_path), position=0)
+    assert r.held(["A0", "B1", "C0", "C1", "D0"]) == ["A0", "B1", "C0"]

@@ -77,3 +77,17 @@ def test_published_version_carries_the_tokenizer(tmp_path):
     assert tokenizer.chat_template is not None
     bare = write_weights(model.state_dict(), model.config, str(tmp_path), 2)
     assert not os.path.exists(os.path.join(bare.path, "tokenizer_config.json"))
+
+
+def test_republishing_a_lower_version_never_leaves_latest_naming_a_pruned_one(tmp_path):
+    """A run that resumes from an earlier checkpoint publishes a version again that is lower than the newest on disk
+    (issue 27: v0 after v240-v242 was pruned at once, LATEST named it, and every rerun failed to load it)."""
+    model = tiny_model()
+    for version in (240, 241, 242):
+        write_weights(model.state_dict(), model.config, str(tmp_path), version, keep_last=3)
+    p = write_weights(model.state_dict(), model.config, str(tmp_path), 0, keep_last=3)
+    assert latest_weights(str(tmp_path)) == (0, p.path) and os.path.isdir(p.path)
+    assert sorted(os.listdir(tmp_path / "weights")) == ["LATEST", "v0"]  # the abandoned future is gone
+    for version in (1, 2, 3):
+        write_weights(model.state_dict(), model.config, str(tmp_path), version, keep_last=3)
+    assert sorted(os.listdir(tmp_path / "weights")) == ["LATEST", "v1", "v2", "v3"]
