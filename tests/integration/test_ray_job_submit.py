@@ -31,7 +31,7 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
     dashboard = free_port()
     # as with an activated virtualenv: the job's `python` (resolved on the cluster) is this interpreter
-    env = {**os.environ, "RAY_AUTH_MODE": "token",
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_TEST_TEMP_DIR": temp_dir,
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     # every port its own: the job agent's http port defaults to 52365, and a Ray instance still alive on this machine
     # (another test's, a user's job) holding it leaves the head without an agent ("No available agent to submit job")
@@ -42,8 +42,60 @@ def ray_cluster():
     try:
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def cluster_processes(temp_dir: str) -> list:
+    """The processes of the cluster started with `--temp-dir temp_dir`: each names that directory (or its session
+    directory under it) on its command line. `ray stop` would stop every Ray cluster on the machine, a user's too."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            mine = any(temp_dir in arg for arg in proc.info["cmdline"] or [])
+            if mine and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def stop_cluster(temp_dir: str, grace_s: float = 15.0) -> None:
+    import psutil
+
+    procs = cluster_processes(temp_dir)
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_stopping_the_test_cluster_leaves_other_ray_processes_alone(ray_cluster, ray_session):
+    """The session's own Ray instance (another cluster on this machine) survives the stop of this test's one."""
+    import psutil
+
+    _, env = ray_cluster
+
+    def running_ray() -> set[int]:  # a stopped process may linger as a zombie where nothing reaps it
+        return {p.pid for p in psutil.process_iter(["name", "status"])
+                if p.info["name"] in ("raylet", "gcs_server") and p.info["status"] != psutil.STATUS_ZOMBIE}
+
+    before = running_ray()
+    ours = {p.pid for p in cluster_processes(env["RAY_TEST_TEMP_DIR"])}
+    assert ours & before and before - ours  # two clusters run; ours is a part
+    stop_cluster(env["RAY_TEST_TEMP_DIR"])
+    after = running_ray()
+    assert before - ours <= after and not ours & after
+    assert ray_session.is_initialized() and ray_session.cluster_resources()
 
 
 def test_a_short_job_submitted_with_ray_job_submit_succeeds(tmp_path, ray_cluster):

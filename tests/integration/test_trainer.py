@@ -129,7 +129,10 @@ def test_quantile_balancing_keeps_expert_load_flat_on_skewed_data(zero3):
     for step in range(6):
         m = on_all(group, "step", make_groups(100 + 8 * step, 8, seed=3, vocab=SKEWED_VOCAB))[0]
         loads.append(m["expert_load_max_over_mean"])
-    assert max(loads[1:]) < 1.2, loads
+    # two updates to settle: the first sets the bias for step 0's scores, and the router itself moves under the first
+    # optimizer steps (run alone, on the module's untrained fixture, step 1 still read 1.45; after this file's earlier
+    # tests had trained the fixture it read < 1.2: the assertion must not depend on which tests ran first)
+    assert max(loads[2:]) < 1.2 and loads[-1] < loads[0], loads
     # the same data through the trained weights with the bias removed is far from flat: the bias does the work
     state = on_all(group, "full_state_dict")[0]
     model = HybridMoEForCausalLM(preset_config("tiny")).float().eval()
