@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from agentrl.store import StoreConfig
@@ -221,7 +221,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        merged = apply_overrides(merged, overrides)
         job = OmegaConf.to_object(merged)
     except ConfigError:
         raise
@@ -233,6 +233,24 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {exc.filename}") from None
     return job, merged
+
+
+def apply_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    """`key=value` overrides in order. A plain dict or list value replaces the key's (`env.kwargs={}` empties it; a
+    merge would keep the file's keys); a section (a dataclass) takes the fields given. An env's constructor arguments
+    belong to it: naming another `env.id` drops the file's `env.kwargs`, and the overrides' own `env.kwargs.*` then
+    apply to the new env."""
+    given = [OmegaConf.from_dotlist([item]) for item in overrides]
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    if "env.id" in keys and OmegaConf.select(given[keys.index("env.id")], "env.id") != merged.env.id:
+        merged.env.kwargs = {}
+    for key, tree in zip(keys, given):
+        current = OmegaConf.select(merged, key, throw_on_missing=False)
+        plain_dict = isinstance(current, DictConfig) and OmegaConf.get_type(current) in (dict, None)
+        if plain_dict or isinstance(current, ListConfig):
+            OmegaConf.update(merged, key, [] if isinstance(current, ListConfig) else {}, merge=False)
+        merged = OmegaConf.merge(merged, tree)
+    return merged
 
 
 def check_env(job: JobConfig) -> None:

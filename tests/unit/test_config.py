@@ -79,3 +79,16 @@ def test_env_settings_are_checked_against_the_env_before_any_actor_starts():
         check_env(load_config("configs/quickstart.yaml", ["env.kwargs.max_operand=1"])[0])
     with pytest.raises(ConfigError, match=r"env\.id='agentrl/Nope-v0'.*no environment registered"):
         check_env(load_config("configs/quickstart.yaml", ["env.id=agentrl/Nope-v0"])[0])
+
+
+def test_an_override_replaces_a_value_and_env_kwargs_belong_to_their_env():
+    job, _ = load_config("configs/quickstart.yaml", ["env.kwargs={}"])
+    assert job.env.kwargs == {}  # emptied (a merge would have kept the file's Calc kwargs)
+    job, _ = load_config("configs/quickstart.yaml", ["env.id=agentrl/KVChain-v0"])
+    assert job.env.kwargs == {}  # Calc's kinds/max_operand would make KVChain's constructor fail
+    job, _ = load_config("configs/quickstart.yaml", ["env.id=agentrl/KVChain-v0", "env.kwargs.hops=3"])
+    assert job.env.kwargs == {"hops": 3}
+    job, _ = load_config("configs/quickstart.yaml", ["env.kwargs.max_turns=5"])
+    assert job.env.kwargs == {"max_turns": 5, "kinds": [0, 3], "max_operand": 9}
+    job, _ = load_config("configs/quickstart.yaml", ["env.id=agentrl/Calc-v0"])  # the same env: its kwargs stay
+    assert job.env.kwargs["kinds"] == [0, 3]
