@@ -128,9 +128,16 @@ def test_published_weights_reload_in_vllm_and_transformers_with_the_same_tokens(
     served = list(out[0].outputs[0].token_ids)
     ours = HybridMoEForCausalLM.from_pretrained(published).eval()
     assert ours.generate_tokens(torch.tensor([prompt]), 12)[0, len(prompt):].tolist() == served
-    if name == "kimi":  # the released shape: transformers' own Kimi Linear generates the same tokens
+    if name == "kimi":  # the released shape: transformers' own Kimi Linear picks the same tokens
         from transformers import KimiLinearForCausalLM
 
         theirs = KimiLinearForCausalLM.from_pretrained(published, dtype=torch.float32).eval()
-        greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert greedy[0, len(prompt):].tolist() == served
+        with torch.no_grad():
+            logits = theirs(torch.tensor([prompt + served])).logits[0, len(prompt) - 1:-1].float()
+        top2 = logits.topk(2, dim=-1)
+        # transformers computes its MLA norms with eps 1e-6 where the config (and vLLM) says 1e-5: logits differ by up
+        # to 6e-5 (20 random models x 80 tokens, no argmax flipped), which can only flip a near tie; greedy decoding
+        # compared whole failed once on such a tie and then diverged
+        decided = (top2.values[:, 0] - top2.values[:, 1]) > 1e-3
+        assert decided.sum() >= 8
+        assert (top2.indices[:, 0] == torch.tensor(served))[decided].all()
