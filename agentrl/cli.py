@@ -3,8 +3,10 @@
     agentrl train CONFIG [key=value ...]     SFT warm start (if configured), then RL; curves in MLflow
     agentrl sft CONFIG [key=value ...]       only the SFT warm start on oracle trajectories
     agentrl eval CONFIG --checkpoint DIR     success rate of a checkpoint on the env's held-out tasks
+    agentrl report RUN_DIR [--table]         the curves that matter, as RUN_DIR/report.html (or a table)
+    agentrl config show [CONFIG] [k=v ...]   every config key: its value, default and meaning
     agentrl init-model --preset tiny [--chat-format kimi|kimi_k3|qwen3] --out DIR
-    agentrl envs                             registered tool environments
+    agentrl envs [--import pkg.module]       registered tool environments and their tools
     agentrl presets                          model presets with their parameter counts
     agentrl plan --preset k3 [--gpus N ...]  parameter counts, memory per GPU, a parallel layout, time estimates
 """
@@ -14,7 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+
+
+KEYS_HINT = "Every config key, its default and its meaning: agentrl config show [CONFIG] [key=value ...]"
 
 
 def _load(args):
@@ -45,6 +51,24 @@ def cmd_eval(args) -> None:
     print(json.dumps(result, indent=1))
 
 
+def cmd_config_show(args) -> None:
+    from agentrl.config_docs import show
+
+    print(show(args.args))
+
+
+def cmd_report(args) -> None:
+    from agentrl.report import RunCurves, table_report, write_report
+
+    try:
+        if args.table:
+            print(table_report(RunCurves(args.run_dir, args.tracking_uri), tuple(args.keys), args.every, args.window))
+        else:
+            print(write_report(args.run_dir, args.out, args.tracking_uri))
+    except FileNotFoundError as exc:
+        sys.exit(f"agentrl report: {exc}")
+
+
 def cmd_init_model(args) -> None:
     from agentrl.init_model import init_model
 
@@ -58,10 +82,25 @@ def cmd_init_model(args) -> None:
 
 
 def cmd_envs(args) -> None:
-    from agentrl.envs import list_envs
+    from agentrl.envs import describe_envs, import_envs, list_envs
 
-    for env_id in list_envs(None if args.all else "agentrl"):
-        print(env_id)
+    try:
+        added = import_envs(args.imports)
+    except ValueError as exc:
+        sys.exit(f"agentrl envs: {exc}")
+    if args.imports and not added:
+        sys.exit(f"agentrl envs: importing {', '.join(args.imports)} registered no environment: call "
+                 "gymnasium.register(id=..., entry_point='module:Class') at the module's top level")
+    env_ids = added if args.imports else list_envs(None if args.all else "agentrl")
+    for info in describe_envs(env_ids):
+        print(f"{info.env_id}  ({info.entry_point})")
+        if info.error:
+            print(f"    cannot load: {info.error}")
+        for name, text in info.tools.items():
+            print(f"    {name}: {text}")
+    if args.imports:
+        module = args.imports[0]
+        print(f"\ntrain on one: agentrl train configs/quickstart.yaml env.id={module}:{env_ids[0]}")
 
 
 def cmd_presets(args) -> None:
@@ -111,21 +150,43 @@ def cmd_plan(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from agentrl.chat import format_names
+    from agentrl.report import TABLE_KEYS
 
     parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL post-training for hybrid MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_text in (("train", cmd_train, "SFT warm start then RL"),
                                 ("sft", cmd_sft, "SFT on oracle trajectories only")):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, epilog=KEYS_HINT)
         p.add_argument("config")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.group_size=8")
         p.set_defaults(fn=fn)
     p = sub.add_parser("eval", help="success rate of a checkpoint on held-out tasks")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True,
+                   help="a model directory: RUN_DIR/weights/vN (published weights), RUN_DIR itself (its latest "
+                        "weights), or an imported checkpoint")
     p.add_argument("--num-tasks", type=int, default=None)
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("config", help="the resolved config: every key with its default and meaning")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    p = config_sub.add_parser("show", help="print the resolved config, a one-line description per key",
+                              description="Prints every config key with its value after the file and the overrides, "
+                                          "its default where it differs, and what it means.")
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
+    p.set_defaults(fn=cmd_config_show)
+    p = sub.add_parser("report", help="a run's curves that matter, as one HTML page (or a table)",
+                       description="Writes RUN_DIR/report.html: success (training, held-out), reward and its "
+                                   "components, failures and tool errors, trajectory length, what trained, "
+                                   "staleness, step time by phase, the SFT warm start. --table prints a table.")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="the HTML file (default RUN_DIR/report.html)")
+    p.add_argument("--table", action="store_true", help="print a Markdown table instead")
+    p.add_argument("--every", type=int, default=5, help="table: a row every n RL steps")
+    p.add_argument("--keys", nargs="+", default=list(TABLE_KEYS), help="table: the columns")
+    p.add_argument("--window", type=int, default=5, help="table: steps averaged for the success rise")
+    p.add_argument("--tracking-uri", default=None, help="where the run logged, if not to its run directory")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("init-model", help="build a model and tokenizer locally from a preset")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", required=True)
@@ -138,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_init_model)
     p = sub.add_parser("envs", help="list registered tool environments")
     p.add_argument("--all", action="store_true", help="every gymnasium namespace, not only agentrl/")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE (which registers your envs) and list the envs it registered, with their tools")
     p.set_defaults(fn=cmd_envs)
     p = sub.add_parser("presets", help="list model presets")
     p.set_defaults(fn=cmd_presets)
@@ -174,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     args = parser.parse_args(argv)
+    # `env.id=mypkg.mymod:MyEnv-v0` and `envs --import mypkg.mymod` find a package in the directory the command runs
+    # from, as `python -m` would (last on the path: it shadows nothing installed); Ray's local workers inherit the path
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     from agentrl.config import ConfigError
+    from agentrl.failures import EnvCodeError, JobFailed
     from agentrl.interrupt import JobInterrupted
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -184,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         args.fn(args)
     except ConfigError as exc:  # from loading the config, or the driver's checks before any actor starts
         sys.exit(f"agentrl: bad config: {exc}")
+    except (JobFailed, EnvCodeError) as exc:  # the env or its oracle failed, not agentrl: one line, no traceback
+        sys.exit(f"agentrl: job failed: {exc}")
     except JobInterrupted as exc:  # checkpointed; the same command line resumes
         print(f"agentrl: {exc}: {' '.join(['agentrl', *(argv if argv is not None else sys.argv[1:])])}",
               file=sys.stderr)

@@ -10,6 +10,7 @@ reported as a ConfigError naming the key — all before any Ray actor starts. Li
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 from agentrl.store import StoreConfig
 from agentrl.tracking import TrackingConfig
 from agentrl.trainer.config import TrainerConfig
+
+GROUP_BASELINE_LOSSES = ("ppo", "gspo")  # trainer.loss kinds whose advantages are centred on the group's mean
 
 
 class ConfigError(ValueError):
@@ -38,7 +41,7 @@ class ModelConfig:
     # the template and tool-call grammar (agentrl.chat: agentrl, kimi, kimi_k3, qwen3); None: the checkpoint's own,
     # detected from its tokenizer; for a fresh preset, the format its tokenizer is built in
     chat_format: str | None = None
-    seed: int = 0
+    seed: int = 0  # initialises the fresh preset model
 
     def __post_init__(self):
         from agentrl.chat import format_names
@@ -46,6 +49,12 @@ class ModelConfig:
 
         if self.checkpoint is None and self.preset not in PRESETS:
             raise ValueError(f"model.preset={self.preset!r} is not one of {sorted(PRESETS)}")
+        unknown = sorted(set(self.overrides) - model_config_fields())
+        if unknown:  # the model config would keep them as inert attributes: a misspelt field silently does nothing
+            close = {k: difflib.get_close_matches(k, model_config_fields(), n=1) for k in unknown}
+            raise ValueError("model.overrides " + ", ".join(
+                f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "") for k in unknown)
+                + " are not fields of the model config (agentrl/model/config.py, HybridMoEConfig)")
         if self.chat_format is not None and self.chat_format not in format_names():
             raise ValueError(f"model.chat_format={self.chat_format!r} is not one of {format_names()} "
                              "(or null: the checkpoint's own)")
@@ -64,6 +73,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
+    # a registered gymnasium id ("agentrl/Calc-v0", `agentrl envs`), or "package.module:Name-v0" to import the module
+    # that registers it first
     id: str = "agentrl/Calc-v0"
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the env's constructor
     num_tasks: int = 1000  # task indices in use, 0..num_tasks-1 (at most the env's task count)
@@ -81,8 +92,8 @@ class EnvConfig:
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
     dtype: str = "float32"  # fp32 is ~3x faster than bf16 on AVX2 CPUs
-    max_model_len: int = 4096
-    kv_cache_mb: int = 256
+    max_model_len: int = 4096  # the engine's context window, prompt and completions together
+    kv_cache_mb: int = 256  # memory the engine reserves for KV cache and linear-attention states
     implementation: str = "auto"  # "agentrl" plugin, "upstream" vLLM (GPU), "auto"
 
     def __post_init__(self):
@@ -94,15 +105,15 @@ class EngineConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RolloutJobConfig:
-    num_workers: int = 1
+    num_workers: int = 1  # rollout workers, one vLLM engine each
     group_size: int = 4  # samples per task (a GRPO group)
     groups_per_step: int = 8  # tasks per training step
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens_per_turn: int = 128
+    temperature: float = 1.0  # sampling temperature (the trainer scores log-probs at the same one)
+    top_p: float = 1.0  # nucleus sampling mass
+    max_tokens_per_turn: int = 128  # sampled tokens per assistant turn
     max_trajectory_tokens: int = 2048  # the initial context limit; algorithm.context_schedule raises it
-    env_timeout_s: float = 30.0
-    max_concurrent_episodes: int = 64
+    env_timeout_s: float = 30.0  # one env step (a tool call) may take this long before the episode fails
+    max_concurrent_episodes: int = 64  # episodes in flight per worker
     token_budget: int | None = None  # sampled tokens per iteration; unfinished episodes become partial
     seeded_sampling: bool = False  # per-episode sampling streams: a sync run with the same seed repeats (agent_loop.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -133,15 +144,20 @@ class AlgorithmConfig:
     max_staleness: int = 1  # a batch may be sampled by a policy at most this many versions old
     skip_uniform_groups: bool = True  # train on no group whose rewards are all equal (zero advantage; DAPO)
     sft_steps: int = 0  # warm start: SFT steps on oracle trajectories before RL
-    sft_batch_episodes: int = 32
+    sft_batch_episodes: int = 32  # oracle episodes per SFT step
     sft_lr: float | None = None  # None: the trainer's lr
     # stop the warm start early once the greedy success rate on the held-out tasks reaches this (None: run all
     # sft_steps); checked every sft_eval_every steps. "A modest success rate" leaves RL something to learn.
     sft_target_success: float | None = None
-    sft_eval_every: int = 10
+    sft_eval_every: int = 10  # SFT steps between the warm start's greedy checks (with sft_target_success)
     eval_every: int = 0  # evaluate the success rate on held-out tasks every n steps (0: only at start and end)
-    checkpoint_every: int = 10
+    checkpoint_every: int = 10  # RL steps between checkpoints (a stopped run resumes from the last one)
+    # the trajectory length limit by step: a list of {start_step, max_trajectory_tokens}
     context_schedule: list[ContextStage] = field(default_factory=list)
+    # stop the job (non-zero exit, MLflow run FAILED) once more than this fraction of the episodes of the last
+    # failure_window steps failed (an env, tool, sandbox or engine error, not a wrong answer); 1.0 never stops
+    max_failed_fraction: float = 0.5
+    failure_window: int = 3  # RL steps the failed fraction is measured over (fewer at the start)
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -156,6 +172,9 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.sft_eval_every={self.sft_eval_every!r} must be >= 1")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("algorithm.mode='async' trains on rollouts one version old: max_staleness must be >= 1")
+        if not 0 <= self.max_failed_fraction <= 1 or self.failure_window < 1:
+            raise ValueError(f"algorithm.max_failed_fraction={self.max_failed_fraction} must be in [0, 1] and "
+                             f"algorithm.failure_window={self.failure_window} >= 1")
         starts = [s.start_step for s in self.context_schedule]
         if starts != sorted(starts):
             raise ValueError(f"algorithm.context_schedule start steps must increase, got {starts}")
@@ -174,10 +193,10 @@ class ClusterConfig:
     address: str | None = None  # None: RAY_ADDRESS if set, else a local Ray instance
     num_cpus: int | None = None  # for the local instance (None: all)
     rollout_cpus: float = 1.0  # per rollout worker
-    rollout_gpus: float = 0.0
+    rollout_gpus: float = 0.0  # per rollout worker
     trainer_ranks: int = 1  # DeepSpeed data-parallel ranks
     trainer_cpus: float = 1.0  # per trainer rank
-    trainer_gpus: float = 0.0
+    trainer_gpus: float = 0.0  # per trainer rank
     placement: str = "colocated"  # "colocated": rollout and trainer share nodes/GPUs; "separate": disjoint bundles
 
     def __post_init__(self):
@@ -189,9 +208,9 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
-    name: str = "agentrl"
-    run_dir: str = "runs/agentrl"
-    seed: int = 0
+    name: str = "agentrl"  # the job's name
+    run_dir: str = "runs/agentrl"  # checkpoints, weights, the trajectory store and the MLflow run live here
+    seed: int = 0  # the tasks each step draws and the engine's sampling
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutJobConfig = field(default_factory=RolloutJobConfig)
@@ -202,6 +221,10 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        if self.rollout.group_size < 2 and self.trainer.loss.kind in GROUP_BASELINE_LOSSES:
+            raise ValueError(f"rollout.group_size={self.rollout.group_size} cannot train trainer.loss.kind="
+                             f"{self.trainer.loss.kind!r}: its advantage is each reward minus its group's mean, which "
+                             "is 0 in a group of one. Use rollout.group_size >= 2")
         if self.cluster.trainer_ranks % self.trainer.expert_parallel:
             raise ValueError(f"trainer.expert_parallel={self.trainer.expert_parallel} must divide "
                              f"cluster.trainer_ranks={self.cluster.trainer_ranks}")
@@ -217,7 +240,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         merged.trainer.run_dir = "${run_dir}"
         merged.trainer.temperature = "${rollout.temperature}"
         if path is not None:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _load_yaml(path))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -253,6 +276,15 @@ def apply_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...]) 
     return merged
 
 
+def model_config_fields() -> set[str]:
+    """The fields `model.overrides` may set (HybridMoEConfig's constructor arguments)."""
+    import inspect
+
+    from agentrl.model.config import HybridMoEConfig
+
+    return set(inspect.signature(HybridMoEConfig.__init__).parameters) - {"self", "kwargs"}
+
+
 def check_env(job: JobConfig) -> None:
     """Builds the job's environment once, before any actor starts: its kwargs must be accepted and it must hold the
     `env.num_tasks` tasks the job samples from (ConfigError naming the key otherwise)."""
@@ -285,6 +317,24 @@ def check_checkpoint(path: str, key: str, chat_format: str | None = None) -> Non
             from None
     except ValueError as exc:
         raise ConfigError(f"{key}={path!r}: {exc}") from None
+
+
+def _load_yaml(path: str) -> DictConfig:
+    """The config file, or a ConfigError of one line naming the file and the line YAML stopped at."""
+    import yaml
+
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        raise ConfigError(f"{where}: not valid YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_first_line(exc)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: a config file is a mapping of sections (model:, env:, rollout: ...), "
+                          f"this one holds a {type(loaded).__name__}")
+    return loaded
 
 
 def _first_line(exc: Exception) -> str:

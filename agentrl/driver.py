@@ -18,12 +18,14 @@ import logging
 import os
 import random
 import time
-from dataclasses import replace
+import traceback
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl.config import JobConfig, check_checkpoint, check_env
+from agentrl.config import ConfigError, JobConfig, check_checkpoint, check_env
+from agentrl.failures import EnvCodeError, FailureWatch, JobFailed, describe_failures, first_line
 from agentrl.interrupt import JobInterrupted, StopRequest
 from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
@@ -39,21 +41,30 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     """Runs (or resumes) the job in `job.run_dir`; returns the final metrics.
 
     SIGINT / SIGTERM stop it at the next step boundary with a checkpoint (JobInterrupted; the MLflow run ends KILLED);
-    any other failure ends the MLflow run FAILED. Either way the job's actors are shut down.
+    any other failure ends the MLflow run FAILED; a JobFailed (an env that keeps failing, an oracle that raises) has
+    its traceback written to `<run_dir>/error.log`. Either way the job's actors are shut down.
     """
     check_env(job)  # a bad env setting fails here, before any actor starts
     connect(job)
     tracker = Tracker(job.tracking, job.run_dir)
+    log.info("MLflow run %r: %s", os.path.basename(os.path.abspath(job.run_dir)), tracker.run_page())
     try:
         with StopRequest() as stop, contextlib.ExitStack() as actors:
             metrics = train(job, resolved, tracker, stop, actors, rl=rl)
     except JobInterrupted:
         tracker.finish("KILLED")
         raise
+    except JobFailed as exc:
+        tracker.finish("FAILED")
+        details = os.path.join(job.run_dir, "error.log")
+        with open(details, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}\n")
+        raise JobFailed(f"{exc} (traceback: {details})") from exc
     except BaseException:
         tracker.finish("FAILED")
         raise
     tracker.finish()
+    log.info("done: the curves are at %s", tracker.run_page())
     return metrics
 
 
@@ -109,6 +120,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     tracker.log_metrics(evaluate(pool, job, sampler), step=step)
     in_flight = submit_rollout(step)
     metrics: dict[str, float] = {}
+    watch = FailureWatch(job.env.id, job.algorithm.max_failed_fraction, job.algorithm.failure_window)
+    progress = Progress(first_step=step, last_step=job.algorithm.steps)
     while step < job.algorithm.steps:
         t_step = time.perf_counter()
         limit = job.algorithm.max_trajectory_tokens(step, job.rollout.max_trajectory_tokens)
@@ -116,6 +129,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         rollout_s = time.perf_counter() - t_step
         ray.get(store.put.remote([t for t in trajectories if t.status != Status.PARTIAL]))  # store
         ray.get(store.put_partial.remote([t for t in trajectories if t.status == Status.PARTIAL]))
+        dropped_before = ray.get(store.stats.remote())
         batch = ray.get(store.take_batch.remote(job.rollout.groups_per_step, weights.version,
                                                 job.algorithm.max_staleness))
         if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
@@ -134,9 +148,11 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         step += 1
         if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
             in_flight = submit_rollout(step)
+        store_stats = ray.get(store.stats.remote())
+        groups = GroupReport.of(job.rollout.groups_per_step, batch, trainable, uniform, dropped_before, store_stats)
         metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
-                   "train/uniform_groups": uniform,
-                   **{f"store/{k}": v for k, v in ray.get(store.stats.remote()).items()},
+                   "train/uniform_groups": uniform, "train/groups_trained": groups.trained,
+                   **{f"store/{k}": v for k, v in store_stats.items()},
                    "policy_version": weights.version, "context/max_trajectory_tokens": limit,
                    "time/rollout_s": rollout_s, "time/train_s": train_s, "time/sync_s": sync_s,
                    "time/step_s": time.perf_counter() - t_step,
@@ -145,16 +161,16 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
             metrics.update(evaluate(pool, job, sampler))
         t_log = time.perf_counter()
         tracker.log_metrics(metrics, step=step)                                             # log
-        tracker.log_transcripts(trajectories, step)
+        tracker.log_transcripts(trajectories, step, last=step == job.algorithm.steps)
         stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
         if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps or stopping:
             position = ray.get(store.stats.remote())["position"]
             on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step, "phase": "rl"})
         tracker.log_metrics({"time/log_s": time.perf_counter() - t_log}, step=step)  # logging + checkpoint
-        log.info("step %d: reward %.3f success %.3f (%.0fs)", step, metrics.get("rollout/reward_mean", 0.0),
-                 metrics.get("rollout/success_rate", 0.0), metrics["time/step_s"])
+        progress.report(step, metrics, groups, describe_failures(trajectories), time.perf_counter() - t_step)
         if stopping:
             raise stop.interrupted(f"RL step {step} of {job.algorithm.steps}")
+        watch.observe(trajectories, step)  # after the checkpoint: a fixed env resumes from here
     return metrics
 
 
@@ -170,6 +186,60 @@ def connect(job: JobConfig) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReport:
+    """What one RL step trained: groups trained out of those asked for, and why the others were not."""
+
+    asked: int
+    trained: int
+    uniform: int  # every member got the same reward: no advantage (algorithm.skip_uniform_groups)
+    stale: int  # sampled by a policy more than algorithm.max_staleness versions old, dropped by the store
+    failed: int  # every member failed, dropped by the store
+    waiting: bool  # fewer complete groups than asked: no batch this step, they wait in the store
+
+    @classmethod
+    def of(cls, asked: int, batch, trainable: list[Trajectory], uniform: int, before: dict[str, float],
+           after: dict[str, float]) -> GroupReport:
+        return cls(asked=asked, trained=len({t.group_id for t in trainable}), uniform=uniform,
+                   stale=int(after["groups_dropped_stale"] - before["groups_dropped_stale"]),
+                   failed=int(after["groups_dropped_untrainable"] - before["groups_dropped_untrainable"]),
+                   waiting=batch is None)
+
+    def __str__(self) -> str:
+        reasons = [f"{n} {why}" for n, why in ((self.uniform, "uniform"), (self.stale, "stale"),
+                                               (self.failed, "failed")) if n]
+        if self.waiting:
+            reasons.append("too few complete groups: they wait for the next step")
+        return f"trained {self.trained}/{self.asked} groups" + (f" ({', '.join(reasons)})" if reasons else "")
+
+
+class Progress:
+    """The console's line per RL step: rewards, what trained, what failed, time and the estimated time left."""
+
+    def __init__(self, first_step: int, last_step: int):
+        self.first_step, self.last_step = first_step, last_step
+        self.started = time.perf_counter()
+
+    def report(self, step: int, metrics: dict[str, float], groups: GroupReport, failures: str, step_s: float) -> None:
+        left = (time.perf_counter() - self.started) / (step - self.first_step) * (self.last_step - step)
+        parts = [f"step {step}/{self.last_step}: reward {metrics.get('rollout/reward_mean', 0.0):.3f} "
+                 f"success {metrics.get('rollout/success_rate', 0.0):.3f}", str(groups)]
+        if "eval/success_rate" in metrics:
+            parts.append(f"held-out success {metrics['eval/success_rate']:.3f}")
+        if failures:
+            parts.append(failures)
+        parts.append(f"{step_s:.0f}s" + (f", ETA {_duration(left)}" if step < self.last_step else ""))
+        if groups.trained:
+            log.info(" | ".join(parts))
+        else:
+            log.warning(" | ".join(parts) + " | nothing trained: the policy did not change this step")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f}h" if seconds >= 5400 else f"{seconds / 60:.0f}m" if seconds >= 90 else \
+        f"{seconds:.0f}s"
 
 
 def select_trainable(job: JobConfig, batch) -> tuple[list[Trajectory], int]:
@@ -205,9 +275,14 @@ def prepare_policy(job: JobConfig) -> tuple[str, bool]:
             import_checkpoint(job.model.checkpoint, initial, dict(job.model.overrides))
         return initial, resume
     if not os.path.exists(os.path.join(initial, "config.json")):
-        init_model(initial, preset=job.model.preset, overrides=dict(job.model.overrides),
-                   tokenizer_dir=job.model.tokenizer, vocab_size=job.model.vocab_size, env_ids=(job.env.id,),
-                   seed=job.model.seed, chat_format=job.model.chat_format)
+        try:
+            init_model(initial, preset=job.model.preset, overrides=dict(job.model.overrides),
+                       tokenizer_dir=job.model.tokenizer, vocab_size=job.model.vocab_size, env_ids=(job.env.id,),
+                       env_kwargs={job.env.id: dict(job.env.kwargs)}, seed=job.model.seed,
+                       chat_format=job.model.chat_format)
+        except EnvCodeError as exc:
+            raise JobFailed(f"the tokenizer is trained on oracle episodes of {exc} (model.tokenizer=DIR uses an "
+                            "existing tokenizer)") from exc
     return initial, resume
 
 
@@ -291,6 +366,7 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
     """Greedy success rate on the held-out tasks."""
     if not job.env.eval_tasks:
         return {}
+    log.info("evaluating greedily on %d held-out tasks", job.env.eval_tasks)
     trajectories = pool.generate(sampler.eval_requests(), temperature=0.0)
     return rollout_metrics(trajectories, prefix="eval")
 
@@ -324,8 +400,14 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     step = first_step - 1
     for step in range(first_step, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
-        batch = [oracle_trajectory(env, chat, env_id=job.env.id, task_index=i, seed=i,
-                                   group_id=f"sft-{step}-{n}") for n, i in enumerate(tasks)]
+        batch = []
+        for n, i in enumerate(tasks):
+            try:
+                batch.append(oracle_trajectory(env, chat, env_id=job.env.id, task_index=i, seed=i,
+                                               group_id=f"sft-{step}-{n}"))
+            except Exception as exc:  # the env's own code: its reset, oracle or step
+                raise JobFailed(f"the SFT warm start plays {job.env.id}'s oracle and it raised on task {i}: "
+                                f"{first_line(exc)} (algorithm.sft_steps=0 trains without a warm start)") from exc
         metrics = {f"sft/{k}": v for k, v in on_all(trainer, "step", batch, sft).items()}
         reached = False
         if algo.sft_target_success is not None and step % algo.sft_eval_every == 0 and step < algo.sft_steps:
@@ -355,9 +437,30 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
     return on_all(trainer, "publish_weights")
 
 
+def model_directory(path: str) -> str:
+    """The model directory `agentrl eval --checkpoint` means: a run directory stands for its newest published weights;
+    a DeepSpeed training checkpoint (optimizer state, no model files) is refused, naming the directories to give."""
+    from agentrl.trainer.publish import latest_weights
+
+    if os.path.isdir(os.path.join(path, "weights")):
+        latest = latest_weights(path)
+        if latest is not None:
+            return latest[1]
+    if not os.path.exists(os.path.join(path, "config.json")) and os.path.isdir(path):
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        if os.path.basename(os.path.dirname(os.path.abspath(path))) == "checkpoints":
+            latest = latest_weights(run_dir)
+            newest = f"; the newest is {latest[1]}" if latest else ""
+            raise ConfigError(f"--checkpoint={path!r} is a DeepSpeed training checkpoint (optimizer state, for "
+                              f"resuming); evaluation takes model weights: {run_dir}/weights/vN or the run "
+                              f"directory {run_dir} for its newest{newest}")
+    return path
+
+
 def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None = None) -> dict[str, float]:
     """`agentrl eval`: one rollout worker on `checkpoint`, greedy, over the held-out tasks. A checkpoint agentrl must
-    rewrite first (a K3 directory, MXFP4) is imported into a temporary directory for the evaluation."""
+    rewrite first (a K3 directory, MXFP4) is imported into a temporary directory for the evaluation. A run directory
+    evaluates its newest published weights."""
     import shutil
     import tempfile
 
@@ -365,6 +468,7 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor
 
     check_env(job)
+    checkpoint = model_directory(checkpoint)
     check_checkpoint(checkpoint, "--checkpoint", job.model.chat_format)
     imported = None
     if needs_import(checkpoint):

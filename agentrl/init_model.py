@@ -39,12 +39,14 @@ CHECKPOINT_OVERRIDES = ("moe_balancing", "moe_balancing_bins", "moe_balancing_si
 
 def init_model(out_dir: str, *, preset: str = "tiny", overrides: dict[str, Any] | None = None,
                tokenizer_dir: str | None = None, vocab_size: int = 1024,
-               env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"), seed: int = 0,
+               env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
+               env_kwargs: dict[str, dict[str, Any]] | None = None, seed: int = 0,
                chat_format: str | None = None) -> str:
     """Writes a fresh checkpoint (config, safetensors, tokenizer, generation config) to `out_dir` and returns it.
 
     `chat_format` picks the tokenizer layout (None: the preset's family, agentrl's own for agentrl's presets);
-    `tokenizer_dir` uses an existing tokenizer instead of training one (its format detected unless named).
+    `tokenizer_dir` uses an existing tokenizer instead of training one (its format detected unless named); else one is
+    trained on the oracle episodes of `env_ids`, each env built with its `env_kwargs` entry.
     """
     from agentrl.chat import detect_format, load_tokenizer
     from agentrl.chat.tokenizers import copy_tokenizer_files
@@ -53,7 +55,8 @@ def init_model(out_dir: str, *, preset: str = "tiny", overrides: dict[str, Any] 
     os.makedirs(out_dir, exist_ok=True)
     if tokenizer_dir is None:
         chat_format = chat_format or PRESET_FORMATS.get(preset, "agentrl")
-        tokenizer = build_format_tokenizer(out_dir, chat_format, vocab_size=vocab_size, env_ids=env_ids)
+        tokenizer = build_format_tokenizer(out_dir, chat_format, vocab_size=vocab_size, env_ids=env_ids,
+                                           env_kwargs=env_kwargs)
     else:
         tokenizer = load_tokenizer(tokenizer_dir)
         chat_format = chat_format or detect_format(tokenizer, tokenizer_dir)

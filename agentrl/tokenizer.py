@@ -16,7 +16,8 @@ symbols. Tokenizers for other families' layouts (Kimi's tiktoken, Qwen3's) are i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -59,20 +60,23 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency:
 
 
 def environment_corpus(env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
-                       episodes_per_env: int = 200, seed: int = 0) -> list[str]:
+                       episodes_per_env: int = 200, seed: int = 0,
+                       env_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
     """Oracle episodes of the given environments (system prompt, task, gold tool calls and answers) as the `agentrl`
     format renders them, each closed by the template's newline after its last message (as this tokenizer was always
     trained: the trained merges, and so the quickstart's tokenizer, stay as they were)."""
     from agentrl.chat.tiny_tokenizers import format_corpus
 
-    return [text + "\n" for text in format_corpus("agentrl", env_ids, episodes_per_env, seed)]
+    return [text + "\n" for text in format_corpus("agentrl", env_ids, episodes_per_env, seed, env_kwargs)]
 
 
 def build_tokenizer(out_dir: str, *, vocab_size: int = 2048,
                     env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
-                    episodes_per_env: int = 200) -> PreTrainedTokenizerFast:
-    """Trains the tokenizer on the environments' text and saves it (with its chat template) to `out_dir`."""
-    tok = train_tokenizer(environment_corpus(env_ids, episodes_per_env), vocab_size=vocab_size)
+                    episodes_per_env: int = 200,
+                    env_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> PreTrainedTokenizerFast:
+    """Trains the tokenizer on the environments' text (each env built with its `env_kwargs` entry) and saves it (with
+    its chat template) to `out_dir`."""
+    tok = train_tokenizer(environment_corpus(env_ids, episodes_per_env, env_kwargs=env_kwargs), vocab_size=vocab_size)
     os.makedirs(out_dir, exist_ok=True)
     tok.save_pretrained(out_dir)
     return tok

@@ -4,8 +4,8 @@ The only module that imports MLflow (when a tracker is made: `TrackingConfig` lo
 commands that need no MLflow work on a core install), and it uses MlflowClient alone: the fluent API keeps a process-global tracking
 URI and active run (and writes MLFLOW_TRACKING_URI into the environment), which two jobs in one process would share.
 The embedded default writes a sqlite store inside the run directory
-(`<run_dir>/mlflow.db`), so `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the reward curve of a
-local run; a tracking-server URI in the config (or MLFLOW_TRACKING_URI) sends everything to a shared server. Only the
+(`<run_dir>/mlflow.db`, artifacts under `<run_dir>/artifacts`), so `mlflow ui --backend-store-uri
+sqlite:///<run_dir>/mlflow.db` shows the reward curve of a local run; the run is named after its directory; a tracking-server URI in the config (or MLFLOW_TRACKING_URI) sends everything to a shared server. Only the
 driver logs (trainer rank 0 reports its metrics through it), so curves never double.
 
 A resumed run reopens the same MLflow run (its id is kept in the run directory) and continues its curves at the
@@ -20,20 +20,22 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agentrl.types import Trajectory
 
 RUN_ID_FILE = "mlflow_run_id"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # the MLflow UI's choice between its GenAI and model-training views
 
 
 @dataclass(kw_only=True, slots=True)
 class TrackingConfig:
-    experiment: str = "agentrl"
-    run_name: str | None = None
+    experiment: str = "agentrl"  # the MLflow experiment the run belongs to
+    run_name: str | None = None  # the MLflow run's name (None: the run directory's name)
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite in the run directory
-    transcripts_every: int = 5  # log sample transcripts every n steps (0: never)
-    transcripts_per_step: int = 4
+    transcripts_every: int = 5  # log sample transcripts at the first, the last and every n-th step (0: never)
+    transcripts_per_step: int = 4  # trajectories per logged step
 
     def __post_init__(self):
         if self.transcripts_every < 0 or self.transcripts_per_step < 0:
@@ -65,12 +67,26 @@ class Tracker:
             self.run_id = open(id_file).read().strip()
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            experiment = self.client.get_experiment_by_name(config.experiment)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else self.client.create_experiment(config.experiment))
-            self.run_id = self.client.create_run(experiment_id, run_name=config.run_name).info.run_id
+            name = config.run_name or os.path.basename(os.path.abspath(run_dir))
+            self.run_id = self.client.create_run(self._experiment_id(), run_name=name).info.run_id
             with open(id_file, "w") as f:
                 f.write(self.run_id)
+        self.experiment_id = self.client.get_run(self.run_id).info.experiment_id
+
+    def _experiment_id(self) -> str:
+        """The configured experiment, created if needed. In the run directory's own store its artifacts go to
+        `<run_dir>/artifacts` (MLflow's default is `./mlruns` under whatever directory the job was started from), and
+        it is marked a model-training experiment, so that the UI opens on its runs, not on an empty GenAI traces page."""
+        experiment = self.client.get_experiment_by_name(self.config.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        own_store = self.uri == default_tracking_uri(self.run_dir)
+        location = Path(self.run_dir, "artifacts").resolve().as_uri() if own_store else None
+        return self.client.create_experiment(self.config.experiment, artifact_location=location,
+                                             tags={EXPERIMENT_KIND_TAG: "custom_model_development"})
+
+    def run_page(self) -> str:
+        return run_page(self.uri, self.experiment_id, self.run_id)
 
     def log_config(self, resolved: Mapping[str, Any], yaml_text: str) -> None:
         """The whole resolved config as flattened params, and the YAML file as an artifact."""
@@ -91,9 +107,11 @@ class Tracker:
         for i in range(0, len(clean), 500):
             self.client.log_batch(self.run_id, metrics=clean[i:i + 500])
 
-    def log_transcripts(self, trajectories: list[Trajectory], step: int, tokenizer=None) -> None:
-        """A few trajectories as an HTML page (readable in the MLflow UI) and JSON."""
-        if not self.config.transcripts_every or step % self.config.transcripts_every:
+    def log_transcripts(self, trajectories: list[Trajectory], step: int, *, last: bool = False) -> None:
+        """A few trajectories as an HTML page (readable in the MLflow UI) and JSON, at the first step, the `last` one
+        and every `transcripts_every`-th (a short run has some too)."""
+        every = self.config.transcripts_every
+        if not every or not (step == 1 or last or step % every == 0):
             return
         chosen = trajectories[: self.config.transcripts_per_step]
         if not chosen:
@@ -104,6 +122,15 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+def run_page(uri: str, experiment_id: str, run_id: str) -> str:
+    """Where to look at a run: its page's URL, after the command that serves it when the store is local."""
+    if uri.startswith(("http://", "https://")):
+        base, serve = uri.rstrip("/"), ""
+    else:
+        base, serve = "http://127.0.0.1:5000", f"mlflow ui --backend-store-uri {uri}, then "
+    return f"{serve}{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def read_metric_history(run_dir: str, key: str, tracking_uri: str | None = None) -> list[tuple[int, float]]:

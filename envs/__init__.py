@@ -9,7 +9,8 @@ reads results is its chat format's business (``agentrl.chat``). docs/environment
 
 from agentrl.envs.episode import Episode, continue_play, play
 from agentrl.envs.errors import SandboxError, ToolError
-from agentrl.envs.registration import BUILTIN_ENVS, list_envs, make, register_builtin_envs
+from agentrl.envs.registration import (BUILTIN_ENVS, EnvInfo, describe_envs, import_envs, list_envs, make,
+                                      register_builtin_envs)
 from agentrl.envs.sandbox import Sandbox, SandboxLimits, SandboxResult
 from agentrl.envs.spaces import AnyText, AssistantTurns, Observations
 from agentrl.envs.tool_env import EpisodeState, ToolEnv
@@ -19,7 +20,8 @@ from agentrl.envs.turns import AssistantTurn, ToolCall, ToolResult, ToolResults,
 register_builtin_envs()
 
 __all__ = [
-    "AnyText", "AssistantTurn", "AssistantTurns", "BUILTIN_ENVS", "Episode", "EpisodeState", "Observations", "Sandbox",
+    "AnyText", "AssistantTurn", "AssistantTurns", "BUILTIN_ENVS", "EnvInfo", "Episode", "EpisodeState", "Observations",
+    "Sandbox",
     "SandboxError", "SandboxLimits", "SandboxResult", "ToolCall", "ToolEnv", "ToolError", "ToolResult", "ToolResults",
-    "ToolSpec", "answer", "call", "calls", "continue_play", "list_envs", "make", "play", "tool", "with_call_ids",
+    "ToolSpec", "answer", "call", "calls", "continue_play", "describe_envs", "import_envs", "list_envs", "make", "play", "tool", "with_call_ids",
 ]

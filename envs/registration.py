@@ -7,9 +7,12 @@ same way, with ``gymnasium.register(id="myproject/MyEnv-v0", entry_point="mypack
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
+from gymnasium.envs.registration import load_env_creator
 
 from agentrl.envs.tool_env import ToolEnv
 
@@ -45,6 +48,44 @@ def make(env_id: str, **kwargs: Any) -> ToolEnv:
     if not isinstance(env, ToolEnv):
         raise ValueError(f"{env_id!r} is a {type(env).__name__}, not an agentrl.envs.ToolEnv")
     return env
+
+
+@dataclass(frozen=True, slots=True)
+class EnvInfo:
+    env_id: str
+    entry_point: str
+    tools: dict[str, str]  # name -> description; empty when the entry point is not a ToolEnv class
+    error: str = ""  # why the entry point could not be loaded
+
+
+def import_envs(modules: list[str]) -> list[str]:
+    """Imports `modules` (a user's packages, which register their envs at import) and returns the env ids they added.
+    A module that fails to import is a ValueError naming it."""
+    before = set(gym.registry)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise ValueError(f"importing {module!r} failed: {type(exc).__name__}: {exc}") from exc
+    return sorted(set(gym.registry) - before)
+
+
+def describe_envs(env_ids: list[str]) -> list[EnvInfo]:
+    """Each env's entry point and tools, read from its class (no env is constructed: that may need kwargs)."""
+    out = []
+    for env_id in env_ids:
+        entry = gym.registry[env_id].entry_point
+        name = entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+        try:
+            creator = load_env_creator(entry) if isinstance(entry, str) else entry
+        except Exception as exc:  # a registered module that does not import
+            out.append(EnvInfo(env_id=env_id, entry_point=name, tools={}, error=f"{type(exc).__name__}: {exc}"))
+            continue
+        specs = getattr(creator, "tools", {}) if isinstance(creator, type) and issubclass(creator, ToolEnv) else {}
+        out.append(EnvInfo(env_id=env_id, entry_point=name,
+                           tools={spec.name: spec.description.strip().splitlines()[0] if spec.description else ""
+                                  for spec in specs.values()}))
+    return out
 
 
 def list_envs(namespace: str | None = NAMESPACE) -> list[str]:

@@ -58,21 +58,22 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (2, 3):
-            raise ValueError(f"TrainerConfig.zero_stage must be 2 or 3, got {self.zero_stage}")
+            raise ValueError(f"trainer.zero_stage must be 2 or 3, got {self.zero_stage}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"TrainerConfig.dtype={self.dtype!r} is not one of {DTYPES}")
+            raise ValueError(f"trainer.dtype={self.dtype!r} is not one of {DTYPES}")
         if self.lr <= 0:
-            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.micro_batch_tokens < 2:
-            raise ValueError(f"TrainerConfig.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}")
+            raise ValueError(f"trainer.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}")
         if self.temperature <= 0:
-            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
+            raise ValueError(f"trainer.temperature must be > 0, got {self.temperature}")
         if self.warmup_steps < 0 or self.grad_clip < 0:
-            raise ValueError(f"warmup_steps and grad_clip must be >= 0, got {self.warmup_steps}, {self.grad_clip}")
+            raise ValueError(f"trainer.warmup_steps and trainer.grad_clip must be >= 0, got {self.warmup_steps}, "
+                             f"{self.grad_clip}")
         if self.expert_parallel < 1:
-            raise ValueError(f"TrainerConfig.expert_parallel must be >= 1, got {self.expert_parallel}")
+            raise ValueError(f"trainer.expert_parallel must be >= 1, got {self.expert_parallel}")
         if self.expert_parallel > 1 and self.zero_stage == 3:
-            raise ValueError(f"TrainerConfig.expert_parallel={self.expert_parallel} needs zero_stage=2: DeepSpeed "
+            raise ValueError(f"trainer.expert_parallel={self.expert_parallel} needs zero_stage=2: DeepSpeed "
                              f"partitions expert parameters over expert-data-parallel groups only under ZeRO-1/2")
         if self.keep_weight_versions < 1:
-            raise ValueError(f"TrainerConfig.keep_weight_versions must be >= 1, got {self.keep_weight_versions}")
+            raise ValueError(f"trainer.keep_weight_versions must be >= 1, got {self.keep_weight_versions}")

@@ -95,29 +95,30 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
-            raise ValueError(f"LossConfig.kind={self.kind!r} is not one of {LOSS_KINDS}")
+            raise ValueError(f"trainer.loss.kind={self.kind!r} is not one of {LOSS_KINDS}")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"LossConfig.aggregation={self.aggregation!r} is not one of {AGGREGATIONS}")
+            raise ValueError(f"trainer.loss.aggregation={self.aggregation!r} is not one of {AGGREGATIONS}")
         if self.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"LossConfig.old_logprobs={self.old_logprobs!r} is not one of {OLD_LOGPROBS}")
+            raise ValueError(f"trainer.loss.old_logprobs={self.old_logprobs!r} is not one of {OLD_LOGPROBS}")
         if self.eps_low < 0 or self.eps_high < 0:
-            raise ValueError(f"clip ranges must be >= 0, got eps_low={self.eps_low}, eps_high={self.eps_high}")
+            raise ValueError(f"trainer.loss.eps_low and eps_high must be >= 0, got eps_low={self.eps_low}, "
+                             f"eps_high={self.eps_high}")
         if self.aggregation == "seq-mean-token-sum-norm" and not (self.norm_constant and self.norm_constant > 0):
-            raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs norm_constant > 0, "
-                             f"got {self.norm_constant}")
+            raise ValueError(f"trainer.loss.aggregation 'seq-mean-token-sum-norm' needs trainer.loss.norm_constant "
+                             f"> 0, got {self.norm_constant}")
         if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"LossConfig.tis_cap must be > 0, got {self.tis_cap}")
+            raise ValueError(f"trainer.loss.tis_cap must be > 0, got {self.tis_cap}")
         if self.tis_cap is not None and self.old_logprobs == "inference":
-            raise ValueError("tis_cap with old_logprobs='inference' would weight by π/π_infer twice; "
-                             "use old_logprobs='current' with TIS")
+            raise ValueError("trainer.loss.tis_cap with trainer.loss.old_logprobs='inference' would weight by "
+                             "π/π_infer twice; use old_logprobs='current' with TIS")
         if self.icepop_band is not None:
             lo, hi = self.icepop_band
             if not 0 <= lo < 1 < hi:
-                raise ValueError(f"LossConfig.icepop_band must satisfy 0 <= lo < 1 < hi, got {self.icepop_band}")
+                raise ValueError(f"trainer.loss.icepop_band must satisfy 0 <= lo < 1 < hi, got {self.icepop_band}")
         if self.mini_batches < 1:
-            raise ValueError(f"LossConfig.mini_batches must be >= 1, got {self.mini_batches}")
+            raise ValueError(f"trainer.loss.mini_batches must be >= 1, got {self.mini_batches}")
         if self.kl_coef < 0:
-            raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
+            raise ValueError(f"trainer.loss.kl_coef must be >= 0, got {self.kl_coef}")
 
 
 @dataclass(kw_only=True, slots=True)

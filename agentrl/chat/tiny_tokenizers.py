@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from importlib import resources
+from typing import Any
 
 from agentrl.chat.tokenizers import (KIMI_NUM_RESERVED_SPECIAL_TOKENS, KIMI_PATTERN, HFTokenizer, KimiTokenizer,
                                      Tokenizer, bytes_to_unicode, write_tiktoken_ranks)
@@ -57,32 +58,39 @@ def template(name: str) -> str:
     return resources.files("agentrl.chat").joinpath("templates", f"{name}.jinja").read_text()
 
 
-def format_corpus(chat_format: str, env_ids: Iterable[str], episodes_per_env: int = 200, seed: int = 0) -> list[str]:
-    """The envs' oracle episodes rendered as text by `chat_format` (no tokenizer needed)."""
+def format_corpus(chat_format: str, env_ids: Iterable[str], episodes_per_env: int = 200, seed: int = 0,
+                  env_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """The envs' oracle episodes rendered as text by `chat_format` (no tokenizer needed); each env is built with its
+    `env_kwargs` entry. An env's own code raising is an EnvCodeError naming the env."""
     from agentrl.chat import get_format
     from agentrl.envs import make, play
+    from agentrl.failures import EnvCodeError
 
     chat = get_format(chat_format)
     texts = []
     for env_id in env_ids:
-        env = make(env_id)
-        for i in range(episodes_per_env):
-            episode = play(env, env.oracle, seed=seed + i)
-            texts.append(chat.conversation_text(episode.system, episode.tools, episode.prompt, episode.steps()))
+        try:
+            env = make(env_id, **dict((env_kwargs or {}).get(env_id, {})))
+            for i in range(episodes_per_env):
+                episode = play(env, env.oracle, seed=seed + i)
+                texts.append(chat.conversation_text(episode.system, episode.tools, episode.prompt, episode.steps()))
+        except Exception as exc:
+            raise EnvCodeError(env_id, exc) from exc
     return texts
 
 
 def build_format_tokenizer(out_dir: str, chat_format: str, *, vocab_size: int = 1024,
                            env_ids: Iterable[str] = ("agentrl/Calc-v0", "agentrl/KVChain-v0"),
-                           episodes_per_env: int = 200) -> Tokenizer:
-    """A tokenizer for `chat_format` trained on the envs' text, saved to `out_dir`; `vocab_size` is the model's
-    vocabulary (the embedding rows) the tokenizer fills."""
+                           episodes_per_env: int = 200,
+                           env_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> Tokenizer:
+    """A tokenizer for `chat_format` trained on the envs' text (each env built with its `env_kwargs` entry), saved to
+    `out_dir`; `vocab_size` is the model's vocabulary (the embedding rows) the tokenizer fills."""
     if chat_format == "agentrl":
         from agentrl.tokenizer import build_tokenizer
 
         return HFTokenizer(build_tokenizer(out_dir, vocab_size=vocab_size, env_ids=env_ids,
-                                          episodes_per_env=episodes_per_env), out_dir)
-    texts = format_corpus(chat_format, env_ids, episodes_per_env)
+                                          episodes_per_env=episodes_per_env, env_kwargs=env_kwargs), out_dir)
+    texts = format_corpus(chat_format, env_ids, episodes_per_env, env_kwargs=env_kwargs)
     if chat_format in ("kimi", "kimi_k3"):
         return build_kimi_tokenizer(out_dir, texts, vocab_size=vocab_size, chat_format=chat_format)
     if chat_format == "qwen3":

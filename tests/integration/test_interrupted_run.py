@@ -58,7 +58,7 @@ def mlflow_status(run_dir: str) -> str:
 def test_sigint_then_kill_9_then_resume_loses_nothing(tmp_path):
     run_dir = str(tmp_path / "run")
     first = start(run_dir)
-    wait_for(first, "step 2:")
+    wait_for(first, "step 2/")
     os.kill(first.pid, signal.SIGINT)
     rest, _ = first.communicate(timeout=600)
     assert first.returncode == 128 + signal.SIGINT, rest[-3000:]
@@ -67,7 +67,7 @@ def test_sigint_then_kill_9_then_resume_loses_nothing(tmp_path):
     stopped_at = max(step for step, _ in read_metric_history(run_dir, "train/loss"))
 
     second = start(run_dir)  # resumes after the SIGINT checkpoint, without a warm start
-    seen = wait_for(second, f"step {stopped_at + 1}:")
+    seen = wait_for(second, f"step {stopped_at + 1}/")
     assert not any("sft step" in line for line in seen), "".join(seen)
     os.killpg(second.pid, signal.SIGKILL)  # the whole job's process group, as a lost machine would
     second.wait(timeout=60)

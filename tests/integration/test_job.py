@@ -6,6 +6,8 @@ resume that continues the curves.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from agentrl.config import load_config
@@ -17,7 +19,7 @@ pytest.importorskip("deepspeed")
 SHORT = ["rollout.group_size=2", "rollout.groups_per_step=2", "env.eval_tasks=4", "env.kwargs.max_turns=2",
          "rollout.max_tokens_per_turn=16", "algorithm.sft_steps=2", "algorithm.sft_batch_episodes=4",
          "algorithm.checkpoint_every=1", "cluster.trainer_ranks=2", "trainer.zero_stage=3",
-         "cluster.trainer_cpus=0.5", "cluster.rollout_cpus=0.5", "tracking.transcripts_every=1",
+         "cluster.trainer_cpus=0.5", "cluster.rollout_cpus=0.5",
          # the barely-trained policy scores 0 everywhere; train on those groups anyway so that every step trains
          "algorithm.skip_uniform_groups=false",
          # two ranks on two cores: one torch thread each (the quickstart gives its one rank both)
@@ -38,6 +40,18 @@ def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode):
         history = metric_history(run_dir, key)
         assert [step for step, _ in history] == [1, 2, 3], (key, history)
     assert len(metric_history(run_dir, "sft/loss")) == 2
+    # the MLflow run is found: named after the run directory, its artifacts inside it, transcripts from step 1 on
+    # (tracking.transcripts_every is the default 5: the first and the last step of a short run have them)
+    from mlflow import MlflowClient
+
+    from agentrl.tracking import RUN_ID_FILE, resolve_tracking_uri
+
+    run_id = open(f"{run_dir}/{RUN_ID_FILE}").read().strip()
+    client = MlflowClient(resolve_tracking_uri(None, run_dir))
+    assert client.get_run(run_id).info.run_name == mode
+    assert sorted(f.path for f in client.list_artifacts(run_id, "transcripts")) == [
+        f"transcripts/step_{s:06d}.{ext}" for s in (1, 3) for ext in ("html", "json")]
+    assert os.path.exists(f"{run_dir}/artifacts/{run_id}/artifacts/transcripts/step_000001.html")
     if mode == "sync":  # trained on the policy that sampled: the trainer recomputes the engine's log-probs
         assert all(v < 1e-3 for _, v in metric_history(run_dir, "train/train_infer_abs_logp_diff"))
     else:  # rollouts overlapped training: batches after the first were sampled one version behind

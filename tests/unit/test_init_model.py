@@ -83,3 +83,17 @@ def test_a_bad_chat_format_or_checkpoint_is_a_config_error(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds no tokenizer"):
         check_checkpoint(str(tmp_path / "empty"), "model.checkpoint")
+
+
+def test_eval_takes_a_run_directory_and_points_from_a_training_checkpoint_to_the_weights(tmp_path):
+    from agentrl.driver import model_directory
+
+    run = tmp_path / "run"
+    (run / "weights" / "v7").mkdir(parents=True)
+    (run / "weights" / "LATEST").write_text("v7\n")
+    (run / "checkpoints" / "step30").mkdir(parents=True)
+    assert model_directory(str(run)) == str(run / "weights" / "v7")  # a run directory: its newest weights
+    assert model_directory(str(run / "weights" / "v7")) == str(run / "weights" / "v7")
+    with pytest.raises(ConfigError, match=r"step30' is a DeepSpeed training checkpoint .*evaluation takes model "
+                                          r"weights: .*/run/weights/vN .*the newest is .*/run/weights/v7"):
+        model_directory(str(run / "checkpoints" / "step30"))

@@ -27,3 +27,39 @@ def test_start_and_end_are_window_means():
     assert start_and_end(history, 2) == pytest.approx((0.2, 0.7))
     with pytest.raises(ValueError, match="no two disjoint windows"):
         start_and_end(history, 3)
+
+
+def test_the_run_is_named_after_its_directory_and_keeps_its_artifacts_there(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from agentrl.tracking import EXPERIMENT_KIND_TAG
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # MLflow's own default would put artifacts under ./mlruns here
+    run_dir = tmp_path / "runs" / "my-first-run"
+    tracker = Tracker(TrackingConfig(experiment="t"), str(run_dir))
+    tracker.log_config({"a": 1}, "a: 1\n")
+    run = MlflowClient(tracker.uri).get_run(tracker.run_id)
+    assert run.info.run_name == "my-first-run"
+    assert (run_dir / "artifacts" / tracker.run_id / "artifacts" / "config.yaml").exists()
+    assert not (tmp_path / "mlruns").exists()
+    experiment = MlflowClient(tracker.uri).get_experiment(tracker.experiment_id)
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"  # the UI opens on runs, not traces
+    assert tracker.run_page() == (f"mlflow ui --backend-store-uri {tracker.uri}, then http://127.0.0.1:5000/#/"
+                                  f"experiments/{tracker.experiment_id}/runs/{tracker.run_id}")
+    named = Tracker(TrackingConfig(experiment="t", run_name="ablation-3"), str(tmp_path / "other"))
+    assert MlflowClient(named.uri).get_run(named.run_id).info.run_name == "ablation-3"
+
+
+def test_transcripts_are_logged_at_the_first_the_last_and_every_nth_step(tmp_path):
+    from agentrl.types import Trajectory
+
+    tracker = Tracker(TrackingConfig(experiment="t", transcripts_every=5), str(tmp_path))
+    batch = [Trajectory(trajectory_id="x", task_id="0", group_id="g", env_id="toy")]
+    for step in range(1, 8):
+        tracker.log_transcripts(batch, step, last=step == 7)
+    logged = sorted(f.path for f in tracker.client.list_artifacts(tracker.run_id, "transcripts"))
+    assert logged == [f"transcripts/step_{s:06d}.{ext}" for s in (1, 5, 7) for ext in ("html", "json")]
+    never = Tracker(TrackingConfig(experiment="t", transcripts_every=0), str(tmp_path / "never"))
+    never.log_transcripts(batch, 1, last=True)
+    assert never.client.list_artifacts(never.run_id) == []

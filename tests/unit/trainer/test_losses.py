@@ -189,7 +189,7 @@ def test_group_advantages_with_and_without_std_and_failed_members():
     (dict(kind="reinforce"), "kind"), (dict(aggregation="mean"), "aggregation"),
     (dict(aggregation="seq-mean-token-sum-norm"), "norm_constant"), (dict(tis_cap=0.0), "tis_cap"),
     (dict(tis_cap=2.0, old_logprobs="inference"), "twice"), (dict(icepop_band=(1.2, 2.0)), "icepop_band"),
-    (dict(old_logprobs="engine"), "old_logprobs"), (dict(eps_low=-0.1), "clip"), (dict(kl_coef=-1.0), "kl_coef"),
+    (dict(old_logprobs="engine"), "old_logprobs"), (dict(eps_low=-0.1), "eps_low"), (dict(kl_coef=-1.0), "kl_coef"),
     (dict(mini_batches=0), "mini_batches"),
 ])
 def test_config_errors_name_the_value(kwargs, match):

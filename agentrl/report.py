@@ -1,0 +1,197 @@
+"""A run's curves for a person: one self-contained HTML page, or a table for notes (`agentrl report RUN_DIR`).
+
+The MLflow UI shows every metric (some sixty per step) in alphabetical panels; the few that say whether a run is
+learning sit far down among them. The page shows those few, read from the run's MLflow store: success (training and
+held-out), reward and its components, failures and tool errors, trajectory length, what each step trained, staleness,
+step time by phase, and the SFT warm start. The charts are inline SVG: the page needs no server, no JavaScript and
+no plotting library, and can be mailed or attached to an issue.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass
+
+from agentrl.tracking import RUN_ID_FILE, resolve_tracking_uri, run_page, start_and_end
+
+COLORS = ("#1a73e8", "#e8710a", "#188038", "#d93025", "#9334e6", "#12b5cb", "#f9ab00", "#5f6368")
+TABLE_KEYS = ("eval/success_rate", "eval/tool_error_rate", "rollout/success_rate", "rollout/tool_error_rate",
+              "train/entropy", "train/uniform_groups", "time/step_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    title: str
+    keys: tuple[str, ...]  # metric keys; a key ending in "/*" stands for every key under that prefix
+    note: str = ""
+
+
+PANELS = (
+    Panel("Success rate", ("rollout/success_rate", "eval/success_rate"),
+          "training episodes (sampled) and the held-out tasks (greedy)"),
+    Panel("Reward", ("rollout/reward_mean", "rollout/reward/*"), "the total and each named component"),
+    Panel("Failures and tool errors", ("rollout/failed_fraction", "rollout/tool_error_rate", "eval/tool_error_rate"),
+          "failed: episodes an env, tool, sandbox or the engine broke; tool errors: calls answered with an error"),
+    Panel("Trajectory length", ("rollout/tokens_mean",), "tokens per finished episode"),
+    Panel("Turns and tool calls", ("rollout/turns_mean", "rollout/tool_calls_mean"), "per finished episode"),
+    Panel("What trained", ("train/groups_trained", "train/uniform_groups"),
+          "groups trained per step, and groups left out because all their rewards were equal"),
+    Panel("Staleness", ("store/last_batch_max_lag", "store/last_batch_mean_lag"),
+          "policy versions between the sampling policy and the trained one"),
+    Panel("Step time by phase (s)", ("time/rollout_s", "time/train_s", "time/sync_s", "time/log_s", "time/step_s")),
+    Panel("SFT warm start", ("sft/loss", "sft/eval_success_rate"), "per SFT step (its own step axis)"),
+)
+
+
+class RunCurves:
+    """The metric histories of the MLflow run that the job in `run_dir` logged to."""
+
+    def __init__(self, run_dir: str, tracking_uri: str | None = None):
+        from mlflow import MlflowClient
+
+        id_file = os.path.join(run_dir, RUN_ID_FILE)
+        if not os.path.exists(id_file):
+            raise FileNotFoundError(f"{run_dir!r} holds no {RUN_ID_FILE}: is it the run_dir of an agentrl job?")
+        self.run_dir = run_dir
+        self.uri = resolve_tracking_uri(tracking_uri, run_dir)
+        self.client = MlflowClient(self.uri)
+        self.run = self.client.get_run(open(id_file).read().strip())
+        self.keys = sorted(self.run.data.metrics)
+        self._cache: dict[str, list[tuple[int, float]]] = {}
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        if key not in self._cache:
+            self._cache[key] = sorted((m.step, m.value) for m in self.client.get_metric_history(self.run.info.run_id,
+                                                                                                  key))
+        return self._cache[key]
+
+    def expand(self, keys: tuple[str, ...]) -> list[str]:
+        out = []
+        for key in keys:
+            out += [k for k in self.keys if k.startswith(key[:-1])] if key.endswith("/*") else \
+                [key] if key in self.keys else []
+        return out
+
+
+def html_report(curves: RunCurves) -> str:
+    info = curves.run.info
+    parts = ["<!doctype html><html><head><meta charset='utf-8'>",
+             f"<title>{html.escape(info.run_name or info.run_id)}</title>",
+             "<style>body{font-family:system-ui,sans-serif;margin:24px;color:#202124}"
+             ".grid{display:flex;flex-wrap:wrap;gap:16px}.panel{border:1px solid #dadce0;border-radius:8px;padding:8px}"
+             "h2{font-size:15px;margin:4px 0}.note{font-size:12px;color:#5f6368;margin:0 0 4px}"
+             "table{border-collapse:collapse;font-size:13px}td{padding:2px 10px}</style></head><body>",
+             f"<h1>{html.escape(info.run_name or info.run_id)}</h1>", summary_html(curves), "<div class='grid'>"]
+    for panel in PANELS:
+        keys = curves.expand(panel.keys)
+        if keys:
+            parts.append(f"<div class='panel'><h2>{html.escape(panel.title)}</h2>"
+                         f"<p class='note'>{html.escape(panel.note)}</p>"
+                         + svg_chart({k: curves.history(k) for k in keys}) + "</div>")
+    parts.append("</div></body></html>")
+    return "\n".join(parts)
+
+
+def summary_html(curves: RunCurves) -> str:
+    info = curves.run.info
+    rows = [("status", info.status), ("run directory", os.path.abspath(curves.run_dir)),
+            ("MLflow", run_page(curves.uri, info.experiment_id, info.run_id))]
+    success = curves.history("rollout/success_rate") if "rollout/success_rate" in curves.keys else []
+    if success:
+        rows.append(("RL steps", str(max(s for s, _ in success))))
+        window = min(5, len(success) // 2)
+        if window:
+            start, end = start_and_end(success, window)
+            rows.append((f"training success, first → last {window} steps",
+                         f"{start:.3f} → {end:.3f} ({100 * (end - start):+.1f} points)"))
+    held_out = curves.history("eval/success_rate") if "eval/success_rate" in curves.keys else []
+    if held_out:
+        rows.append(("held-out success, first → last evaluation", f"{held_out[0][1]:.3f} → {held_out[-1][1]:.3f}"))
+    return "<table>" + "".join(f"<tr><td>{html.escape(k)}</td><td><b>{html.escape(v)}</b></td></tr>"
+                               for k, v in rows) + "</table>"
+
+
+def svg_chart(series: dict[str, list[tuple[int, float]]], width: int = 420, height: int = 220) -> str:
+    """Lines (a dot where a series has one point) over a shared step axis, the value range labelled, a legend below."""
+    points = [p for values in series.values() for p in values]
+    if not points:
+        return ""
+    left, right, top, bottom = 48, 10, 8, 24
+    x0, x1 = min(s for s, _ in points), max(s for s, _ in points)
+    y0, y1 = min(v for _, v in points), max(v for _, v in points)
+    if y0 == y1:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    if x0 == x1:
+        x0, x1 = x0 - 1, x1 + 1
+
+    def xy(step: int, value: float) -> tuple[float, float]:
+        return (left + (step - x0) / (x1 - x0) * (width - left - right),
+                top + (y1 - value) / (y1 - y0) * (height - top - bottom))
+
+    legend_h = 16 * len(series)
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height + legend_h}' "
+           "font-size='11' font-family='system-ui,sans-serif'>",
+           f"<rect x='{left}' y='{top}' width='{width - left - right}' height='{height - top - bottom}' "
+           "fill='none' stroke='#dadce0'/>",
+           f"<text x='{left - 4}' y='{top + 9}' text-anchor='end'>{_num(y1)}</text>",
+           f"<text x='{left - 4}' y='{height - bottom}' text-anchor='end'>{_num(y0)}</text>",
+           f"<text x='{left}' y='{height - 8}'>step {x0}</text>",
+           f"<text x='{width - right}' y='{height - 8}' text-anchor='end'>{x1}</text>"]
+    for i, (key, values) in enumerate(series.items()):
+        color = COLORS[i % len(COLORS)]
+        coords = [xy(s, v) for s, v in values]
+        if len(coords) == 1:
+            out.append(f"<circle cx='{coords[0][0]:.1f}' cy='{coords[0][1]:.1f}' r='3' fill='{color}'/>")
+        elif coords:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
+            out.append(f"<polyline points='{path}' fill='none' stroke='{color}' stroke-width='1.5'/>")
+        last = f" (last {_num(values[-1][1])})" if values else ""
+        y = height + 12 + 16 * i
+        out.append(f"<rect x='{left}' y='{y - 8}' width='10' height='3' fill='{color}'/>"
+                   f"<text x='{left + 16}' y='{y}'>{html.escape(key)}{last}</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def table_report(curves: RunCurves, keys: tuple[str, ...] = TABLE_KEYS, every: int = 5, window: int = 5) -> str:
+    """Markdown: the SFT summary, one row per `every`-th RL step (plus evaluation steps and the last; an `eval/`
+    column is that step's value, any other the mean since the previous row), then the training success's rise
+    between the first and the last `window` steps."""
+    lines = []
+    sft = dict(curves.history("sft/loss")) if "sft/loss" in curves.keys else {}
+    if sft:
+        lines.append(f"SFT: {len(sft)} steps, loss {sft[min(sft)]:.3f} -> {sft[max(sft)]:.3f}\n")
+    series = {k: dict(curves.history(k)) if k in curves.keys else {} for k in keys}
+    steps = sorted({s for c in series.values() for s in c})
+    evals = set(series.get("eval/success_rate", {}))
+    shown = [s for s in steps if s % every == 0 or s in evals or s == steps[-1]]
+    lines += ["| step | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
+    previous = -1
+    for s in shown:
+        cells = []
+        for k in keys:
+            span = [s] if k.startswith("eval/") else range(previous + 1, s + 1)
+            values = [series[k][i] for i in span if i in series[k]]
+            cells.append(f"{sum(values) / len(values):.3f}" if values else "")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        previous = s
+    success = curves.history("rollout/success_rate") if "rollout/success_rate" in curves.keys else []
+    if len(success) >= 2 * window:
+        start, end = start_and_end(success, window)
+        lines.append(f"\nrollout/success_rate: {start:.3f} (mean of the first {window} RL steps) -> {end:.3f} (the "
+                     f"last {window}): {100 * (end - start):+.1f} points")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str, out: str | None = None, tracking_uri: str | None = None) -> str:
+    """Writes the HTML page (default `<run_dir>/report.html`) and returns its path."""
+    path = out or os.path.join(run_dir, "report.html")
+    text = html_report(RunCurves(run_dir, tracking_uri))
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _num(value: float) -> str:
+    return f"{value:.3g}"

@@ -1,0 +1,67 @@
+"""Failures that speak: a step's failures by boundary, the failure-rate stop, and the per-step report of what
+trained."""
+
+import logging
+
+import pytest
+
+from agentrl.driver import GroupReport, Progress
+from agentrl.failures import FailureWatch, JobFailed, describe_failures, failure_counts
+from agentrl.types import Boundary, Status, Trajectory
+
+
+def traj(i: int, failure: Boundary | None = None, error: str = "", group: str = "g") -> Trajectory:
+    return Trajectory(trajectory_id=f"t{i}", task_id="0", group_id=group, env_id="toy",
+                      status=Status.FAILED if failure else Status.COMPLETED, failure=failure, error=error)
+
+
+def test_a_steps_failures_are_named_by_boundary_with_the_first_message():
+    batch = [traj(0), traj(1, Boundary.ENV, "ZeroDivisionError: division by zero\n  File x"),
+             traj(2, Boundary.TOOL, "the environment did not answer within 30.0s"), traj(3, Boundary.ENV, "KeyError")]
+    assert failure_counts(batch) == {"env": 2, "tool": 1}
+    assert describe_failures(batch) == "3 failed (env 2, tool 1; first: ZeroDivisionError: division by zero)"
+    assert describe_failures([traj(0)]) == ""
+
+
+def test_the_watch_stops_once_the_windows_failed_fraction_exceeds_the_threshold():
+    watch = FailureWatch("myproject/Broken-v0", max_fraction=0.5, window=2)
+    watch.observe([traj(0), traj(1, Boundary.ENV, "ValueError: x")], step=1)  # 1/2: not above 0.5
+    with pytest.raises(JobFailed, match=r"3 of 4 episodes failed over the last 2 RL step\(s\), up to step 2 "
+                                        r"\(more than algorithm\.max_failed_fraction=0\.5\): myproject/Broken-v0: "
+                                        r"2 failed \(env 2; first: ValueError: y\)"):
+        watch.observe([traj(2, Boundary.ENV, "ValueError: y"), traj(3, Boundary.ENV, "ValueError: z")], step=2)
+    never = FailureWatch("toy", max_fraction=1.0, window=3)
+    for step in range(1, 5):
+        never.observe([traj(step, Boundary.ENV, "boom")], step=step)  # 1.0 never stops
+    recovering = FailureWatch("toy", max_fraction=0.5, window=1)
+    recovering.observe([traj(0), traj(1)], step=1)
+    recovering.observe([traj(2), traj(3, Boundary.SANDBOX, "died")], step=2)  # 1/2 within a one-step window
+
+
+def test_the_group_report_says_what_trained_and_why_the_rest_did_not():
+    before = {"groups_dropped_stale": 1, "groups_dropped_untrainable": 0}
+    after = {"groups_dropped_stale": 3, "groups_dropped_untrainable": 1}
+    trainable = [traj(0, group="a"), traj(1, group="a"), traj(2, group="b"), traj(3, group="b")]
+    report = GroupReport.of(8, object(), trainable, uniform=3, before=before, after=after)
+    assert (report.trained, report.stale, report.failed) == (2, 2, 1)
+    assert str(report) == "trained 2/8 groups (3 uniform, 2 stale, 1 failed)"
+    waiting = GroupReport.of(8, None, [], uniform=0, before=before, after=before)
+    assert str(waiting) == "trained 0/8 groups (too few complete groups: they wait for the next step)"
+
+
+def test_a_step_that_trained_nothing_says_so(caplog):
+    progress = Progress(first_step=0, last_step=10)
+    uniform = GroupReport(asked=4, trained=0, uniform=4, stale=0, failed=0, waiting=False)
+    with caplog.at_level(logging.INFO, logger="agentrl"):
+        progress.report(1, {"rollout/reward_mean": 0.0, "rollout/success_rate": 0.0}, uniform, "", 12.0)
+        progress.report(2, {"rollout/reward_mean": 0.5, "rollout/success_rate": 0.5, "eval/success_rate": 0.25},
+                        GroupReport(asked=4, trained=3, uniform=1, stale=0, failed=0, waiting=False),
+                        "1 failed (env 1; first: KeyError)", 12.0)
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING and first.getMessage().startswith("step 1/10: reward 0.000")
+    assert "trained 0/4 groups (4 uniform)" in first.getMessage()
+    assert first.getMessage().endswith("nothing trained: the policy did not change this step")
+    assert second.levelno == logging.INFO
+    assert "trained 3/4 groups (1 uniform) | held-out success 0.250 | 1 failed (env 1; first: KeyError)" in \
+        second.getMessage()
+    assert "12s, ETA " in second.getMessage()

@@ -1,0 +1,62 @@
+"""`agentrl report RUN_DIR`: the curves that matter as one self-contained HTML page, or a table."""
+
+import re
+import subprocess
+import sys
+import xml.dom.minidom
+
+import pytest
+
+from agentrl.report import RunCurves, svg_chart, table_report, write_report
+from agentrl.tracking import Tracker, TrackingConfig
+
+
+@pytest.fixture()
+def run_dir(tmp_path):
+    tracker = Tracker(TrackingConfig(experiment="t"), str(tmp_path / "run"))
+    for step in range(3):
+        tracker.log_metrics({"sft/loss": 3.0 - step}, step=step)
+    tracker.log_metrics({"eval/success_rate": 0.1}, step=0)
+    for step in range(1, 11):
+        tracker.log_metrics({"rollout/success_rate": step / 20, "rollout/reward_mean": step / 10,
+                             "rollout/reward/correct": step / 10, "rollout/reward/format": -0.01 * step,
+                             "rollout/tool_error_rate": 0.1, "time/rollout_s": 4.0, "time/train_s": 2.0,
+                             "train/groups_trained": 6, "train/uniform_groups": 2}, step=step)
+    tracker.log_metrics({"eval/success_rate": 0.4}, step=10)
+    tracker.finish()
+    return str(tmp_path / "run")
+
+
+def test_the_page_holds_the_panels_with_data_and_a_summary(run_dir):
+    path = write_report(run_dir)
+    assert path == f"{run_dir}/report.html"
+    page = open(path).read()
+    titles = re.findall(r"<h2>([^<]+)</h2>", page)
+    assert titles == ["Success rate", "Reward", "Failures and tool errors", "What trained",
+                      "Step time by phase (s)", "SFT warm start"]  # panels without data are left out
+    assert "rollout/reward/correct (last 1)" in page and "rollout/reward/format (last -0.1)" in page
+    assert "0.150 → 0.400 (+25.0 points)" in page  # first and last five steps of the training success rate
+    assert "held-out success, first → last evaluation</td><td><b>0.100 → 0.400" in page
+    for svg in re.findall(r"<svg.*?</svg>", page, re.S):
+        xml.dom.minidom.parseString(svg)  # well-formed
+
+
+def test_the_chart_maps_steps_and_values_onto_the_plot_area():
+    svg = svg_chart({"a": [(0, 0.0), (10, 1.0)], "b": [(5, 0.5)]}, width=148, height=132)
+    # plot area: x 48..138, y 8..108 (left 48, right 10, top 8, bottom 24)
+    assert "points='48.0,108.0 138.0,8.0'" in svg
+    assert "<circle cx='93.0' cy='58.0'" in svg
+    assert svg_chart({}) == ""
+
+
+def test_the_table_and_the_command(run_dir):
+    text = table_report(RunCurves(run_dir), keys=("eval/success_rate", "rollout/success_rate"), every=5, window=5)
+    assert text.splitlines()[0] == "SFT: 3 steps, loss 3.000 -> 1.000"
+    assert "| 5 |  | 0.150 |" in text and "| 10 | 0.400 | 0.400 |" in text
+    assert text.endswith("+25.0 points")
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "report", run_dir, "--out", f"{run_dir}/r.html"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"{run_dir}/r.html"
+    missing = subprocess.run([sys.executable, "-m", "agentrl.cli", "report", f"{run_dir}/nope"], capture_output=True,
+                             text=True)
+    assert missing.returncode == 1 and "is it the run_dir of an agentrl job?" in missing.stderr
