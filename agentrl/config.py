@@ -113,6 +113,9 @@ class RolloutJobConfig:
     max_tokens_per_turn: int = 128  # sampled tokens per assistant turn
     max_trajectory_tokens: int = 2048  # the initial context limit; algorithm.context_schedule raises it
     env_timeout_s: float = 30.0  # one env step (a tool call) may take this long before the episode fails
+    # "process": each env instance runs in a process of its own, killed when a call overruns env_timeout_s (a tool
+    # that holds the GIL cannot freeze the worker); "thread": in the worker, cheaper, but such a tool can
+    env_isolation: str = "process"
     max_concurrent_episodes: int = 64  # episodes in flight per worker
     token_budget: int | None = None  # sampled tokens per iteration; unfinished episodes become partial
     seeded_sampling: bool = False  # per-episode sampling streams: a sync run with the same seed repeats (agent_loop.py)
@@ -127,6 +130,8 @@ class RolloutJobConfig:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 and top_p={self.top_p} in (0, 1]")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"rollout.token_budget={self.token_budget} must be None or >= 1")
+        if self.env_isolation not in ("process", "thread"):
+            raise ValueError(f"rollout.env_isolation={self.env_isolation!r} must be 'process' or 'thread'")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -296,7 +296,8 @@ def engine_spec(job: JobConfig, weights_path: str) -> EngineSpec:
 def rollout_config(job: JobConfig) -> RolloutConfig:
     r = job.rollout
     return RolloutConfig(group_size=r.group_size, max_trajectory_tokens=r.max_trajectory_tokens,
-                         env_timeout_s=r.env_timeout_s, max_concurrent_episodes=r.max_concurrent_episodes,
+                         env_timeout_s=r.env_timeout_s, env_isolation=r.env_isolation,
+                         max_concurrent_episodes=r.max_concurrent_episodes,
                          seeded_sampling=r.seeded_sampling, chat_format=job.model.chat_format,
                          sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
                                                max_tokens=r.max_tokens_per_turn))

@@ -46,6 +46,8 @@ CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox
 SANDBOX_UID_BASE = 200_000  # uids SANDBOX_UID_BASE .. + _UID_SPAN, used only when the host runs as root
 _UID_SPAN = 100_000
 _uid_counter = itertools.count()
+MEMORY_POLL_S = 0.05  # how often the host sums the run's resident memory
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _NS_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc"]
 
 Isolation = Literal["auto", "namespaces", "rlimits"]
@@ -58,7 +60,9 @@ class SandboxLimits:
 
     wall_s: float = 10.0  # host-enforced deadline for the whole run
     cpu_s: float = 5.0  # RLIMIT_CPU of the code (rounded up to whole seconds)
-    memory_mb: int = 512  # RLIMIT_AS of the code
+    memory_mb: int = 512  # RLIMIT_AS of each of the code's processes
+    # resident memory of all the run's processes together, counted by the host every MEMORY_POLL_S; None: memory_mb
+    run_memory_mb: int | None = None
     max_processes: int = 32  # RLIMIT_NPROC: processes and threads the code may have at once
     max_output_bytes: int = 16_384  # kept of each of stdout and stderr; the rest is read and dropped
     disk_mb: int = 64  # the work tmpfs size, and RLIMIT_FSIZE
@@ -69,6 +73,12 @@ class SandboxLimits:
                      "max_open_files"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.run_memory_mb is not None and self.run_memory_mb <= 0:
+            raise ValueError(f"SandboxLimits.run_memory_mb must be > 0 or None, got {self.run_memory_mb!r}")
+
+    @property
+    def run_memory_cap_mb(self) -> int:
+        return self.memory_mb if self.run_memory_mb is None else self.run_memory_mb
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +204,10 @@ class Sandbox:
         out, err = _Stream(limits.max_output_bytes), _Stream(limits.max_output_bytes)
         report = _Stream(4096)
         sweep_uid = uid if self.isolation == "rlimits" else None
+        memory = _MemoryWatch(proc.pid, uid, limits.run_memory_cap_mb)
         try:
             timed_out = _pump(proc, json.dumps(config).encode(), out, err, report, report_r, start + limits.wall_s,
-                              lambda: _kill(proc, sweep_uid))
+                              lambda: _kill(proc, sweep_uid), memory)
         finally:
             _kill(proc, sweep_uid)
             proc.wait()
@@ -209,6 +220,12 @@ class Sandbox:
         wall = time.monotonic() - start
         lines = report.text().splitlines()
         ready = "ready" in lines
+        if memory.exceeded and ready:  # killed by the host: the supervisor may not have reported an exit
+            return SandboxResult(outcome="memory_limit", returncode=-signal.SIGKILL, stdout=out.text(),
+                                 stderr=err.text() + f"\nsandbox: the run's processes held {memory.peak_mb:.0f} MiB "
+                                 f"together, over run_memory_mb={limits.run_memory_cap_mb}\n", wall_s=wall,
+                                 isolation=self.isolation, stdout_truncated=out.truncated,
+                                 stderr_truncated=err.truncated)
         exits = [int(line.split()[1]) for line in lines if line.startswith("exit ")]
         if not ready:
             why = next((line for line in lines if line.startswith("setup-failed")), None) or err.text()[-2000:]
@@ -240,9 +257,57 @@ def _classify(returncode: int, stderr: str) -> Outcome:
     return "error"
 
 
+class _MemoryWatch:
+    """The run's resident memory, all its processes together: every process below the sandbox's first one (a
+    process that called setsid is still below it) and, when the run has its own uid, every process of that uid
+    (one whose parent died and was adopted elsewhere). RLIMIT_AS bounds each process; this bounds their sum."""
+
+    def __init__(self, root: int, uid: int | None, cap_mb: int):
+        self.root, self.uid, self.cap_mb = root, uid, cap_mb
+        self.peak_mb, self.exceeded, self._next = 0.0, False, 0.0
+
+    def over(self) -> bool:
+        """Samples at most every MEMORY_POLL_S; True once the sum went over the cap."""
+        now = time.monotonic()
+        if now >= self._next and not self.exceeded:
+            self._next = now + MEMORY_POLL_S
+            pids = _descendants(self.root) | set(_pids_of(self.uid) if self.uid is not None else ())
+            self.peak_mb = max(self.peak_mb, sum(_resident_bytes(p) for p in pids) / (1 << 20))
+            self.exceeded = self.peak_mb > self.cap_mb
+        return self.exceeded
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and the processes below it, from /proc/PID/task/TID/children."""
+    found, frontier = set(), [root]
+    while frontier:
+        pid = frontier.pop()
+        found.add(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    frontier.extend(int(c) for c in f.read().split() if int(c) not in found)
+            except OSError:
+                continue
+    return found
+
+
+def _resident_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _pump(proc: subprocess.Popen, stdin: bytes, out: _Stream, err: _Stream, report: _Stream, report_fd: int,
-          deadline: float, kill) -> bool:
-    """Feed stdin, read the three pipes until all close or the deadline passes. Returns True on timeout."""
+          deadline: float, kill, memory: _MemoryWatch) -> bool:
+    """Feed stdin, read the three pipes until all close, the deadline passes (returns True) or the run's memory
+    goes over its cap (kills it; `memory.exceeded` says so)."""
     sel = selectors.DefaultSelector()
     os.set_blocking(proc.stdin.fileno(), False)
     sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, None)
@@ -256,7 +321,10 @@ def _pump(proc: subprocess.Popen, stdin: bytes, out: _Stream, err: _Stream, repo
             if remaining <= 0:
                 kill()
                 return True
-            for key, _ in sel.select(remaining):
+            if memory.over():
+                kill()
+                return False
+            for key, _ in sel.select(min(remaining, MEMORY_POLL_S)):
                 if key.data is None:  # stdin
                     try:
                         pending = pending[os.write(key.fd, pending[:65536]):]

@@ -145,6 +145,57 @@ def install_guard(workdir, supervisor_pid):
     sys.addaudithook(hook)
 
 
+# seccomp: the payload may not create Unix-domain sockets. A network namespace covers inet and abstract sockets but not
+# path sockets: a read-only mount does not stop connect() to a listener anywhere on the host's filesystem. Connected
+# stream/seqpacket socketpairs stay allowed (asyncio's self-pipe needs one; neither end can address a path); datagram
+# ones are refused, since sendto() on them can name a path.
+AF_UNIX, SOCK_DGRAM, SOCK_TYPE_MASK = 1, 2, 0xF
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EPERM = 0x7FFF0000, 0x00050000, 1
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+# (AUDIT_ARCH, socket, socketpair, first number of another ABI sharing the arch or None) per machine
+_SYSCALLS = {"x86_64": (0xC000003E, 41, 53, 0x40000000), "aarch64": (0xC00000B7, 198, 199, None)}
+_LD_ABS, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
+
+
+def _socket_filter(machine):
+    """The BPF program (code, jt, jf, k): seccomp_data is nr at 0, arch at 4, args from 16 (low words first)."""
+    arch, nr_socket, nr_pair, other_abi = _SYSCALLS[machine]
+    deny, allow = (_RET, 0, 0, SECCOMP_RET_ERRNO | EPERM), (_RET, 0, 0, SECCOMP_RET_ALLOW)
+    prog = [(_LD_ABS, 0, 0, 4), (_JEQ, 1, 0, arch), deny, (_LD_ABS, 0, 0, 0)]
+    if other_abi is not None:  # x32 calls on x86_64 carry the same arch with this bit set
+        prog += [(_JGE, 0, 1, other_abi), deny]
+    prog += [(_JEQ, 2, 0, nr_socket), (_JEQ, 5, 0, nr_pair), allow,
+             (_LD_ABS, 0, 0, 16), (_JEQ, 0, 1, AF_UNIX), deny, allow,  # socket(AF_UNIX, ...)
+             (_LD_ABS, 0, 0, 16), (_JEQ, 0, 4, AF_UNIX), (_LD_ABS, 0, 0, 24), (_AND, 0, 0, SOCK_TYPE_MASK),
+             (_JEQ, 0, 1, SOCK_DGRAM), deny, allow]  # socketpair(AF_UNIX, SOCK_DGRAM, ...)
+    return prog
+
+
+def block_unix_sockets():
+    """Installs the filter for this process and everything it starts; OSError where the kernel refuses it."""
+    machine = os.uname().machine
+    if machine not in _SYSCALLS:
+        raise OSError(f"no seccomp filter for {machine}: Unix sockets cannot be blocked")
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+    program = _socket_filter(machine)
+    filters = (SockFilter * len(program))(*[SockFilter(*insn) for insn in program])
+    fprog = SockFprog(len(program), filters)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0 or \
+            libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.cast(ctypes.pointer(fprog), ctypes.c_void_p),
+                       0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"seccomp filter refused: {os.strerror(errno)}")
+
+
 def run_payload(config, report_fd, supervisor_pid):
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -160,6 +211,7 @@ def run_payload(config, report_fd, supervisor_pid):
         # Imports would fail and look like the code's fault; it is the host's (python under a private home).
         raise PermissionError(f"the sandbox uid cannot read the standard library at {stdlib}: install Python "
                               "somewhere world-readable, or run where namespaces are available")
+    block_unix_sockets()  # after setuid (no_new_privs would not stop it) and before any of the code runs
     os.chdir(config["workdir"])
     os.umask(0o077)
     sys.path.insert(0, config["workdir"])

