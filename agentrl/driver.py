@@ -32,7 +32,7 @@ from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
 from agentrl.tracking import Tracker
 from agentrl.trainer.losses import LossConfig
-from agentrl.types import Status, Trajectory
+from agentrl.types import Boundary, Status, Trajectory
 
 log = logging.getLogger("agentrl")
 
@@ -336,6 +336,9 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str = "rollout") -> 
         f"{prefix}/episodes": len(trajectories),
         f"{prefix}/failed_fraction": sum(t.status == Status.FAILED for t in trajectories) / n,
         f"{prefix}/partial_fraction": sum(t.status == Status.PARTIAL for t in trajectories) / n,
+        # failed episodes by the boundary that failed, every boundary each step (0 included: unbroken curves)
+        **{f"{prefix}/failed/{b.value}": sum(t.status == Status.FAILED and t.failure == b for t in trajectories)
+           for b in Boundary},
     }
     if done:
         rewards = [t.reward for t in done]

@@ -33,6 +33,7 @@ PANELS = (
     Panel("Reward", ("rollout/reward_mean", "rollout/reward/*"), "the total and each named component"),
     Panel("Failures and tool errors", ("rollout/failed_fraction", "rollout/tool_error_rate", "eval/tool_error_rate"),
           "failed: episodes an env, tool, sandbox or the engine broke; tool errors: calls answered with an error"),
+    Panel("Failed episodes by boundary", ("rollout/failed/*",), "per step: model, env, tool, sandbox, worker"),
     Panel("Trajectory length", ("rollout/tokens_mean",), "tokens per finished episode"),
     Panel("Turns and tool calls", ("rollout/turns_mean", "rollout/tool_calls_mean"), "per finished episode"),
     Panel("What trained", ("train/groups_trained", "train/uniform_groups"),

@@ -1,6 +1,6 @@
 """Rollout throughput: the multi-turn agent loop against bare vLLM generation of the same prompts and lengths.
 
-    python scripts/bench_rollout.py [--episodes 32] [--turns 3]
+    python scripts/bench_rollout.py [--episodes 32] [--turns 3] [--env-isolation process|thread]
 
 Builds the tiny hybrid policy (served by the agentrl vLLM plugin on CPU), runs `--episodes` Calc-v0 episodes through
 the agent loop, then replays exactly the same requests on the bare engine — every assistant turn's prompt tokens,
@@ -35,14 +35,18 @@ async def run(args) -> None:
     from agentrl.chat import load_chat_format
 
     config = RolloutConfig(sampling=SamplingSpec(max_tokens=args.tokens_per_turn), max_trajectory_tokens=4096,
-                           max_concurrent_episodes=args.episodes)
+                           max_concurrent_episodes=args.episodes, env_isolation=args.env_isolation)
     loop = AgentLoop(engine, load_chat_format(ckpt), config)
 
     def requests(env_id: str, kwargs: dict):
         return [EpisodeRequest(env_id=env_id, task_index=i, group_id=f"g{i}", trajectory_id=f"{env_id}-{i}",
                                seed=i, env_kwargs=kwargs) for i in range(args.episodes)]
 
-    await asyncio.gather(*[loop.run(r) for r in requests("agentrl/Calc-v0", {"max_turns": 1})[:4]])  # warm-up
+    # warm-up: one short episode per slot of each env, so the measured runs reuse built envs (as every RL step after
+    # a job's first does) and the engine has compiled its shapes
+    for env_id, kwargs in (("agentrl/Calc-v0", {"max_turns": args.turns}),
+                           ("agentrl/KVChain-v0", {"max_turns": args.turns, "hops": args.turns})):
+        await asyncio.gather(*[loop.run(r) for r in requests(env_id, kwargs)])
     await engine.llm.reset_prefix_cache()
     rows, episode_rows = [], []
     for env_id, kwargs in (("agentrl/Calc-v0", {"max_turns": args.turns}),
@@ -71,8 +75,9 @@ async def run(args) -> None:
         rows.append([env_id, sampled, f"{sampled / loop_s:,.0f}", f"{sampled / bare_s:,.0f}",
                      f"{bare_s / loop_s:.2f}"])
     engine.shutdown()
+    loop.envs.close()
     print(f"### Agent loop vs bare vLLM ({args.episodes} concurrent episodes, {args.turns} turns, tiny hybrid via the "
-          "plugin, 2 CPU cores)\n")
+          f"plugin, rollout.env_isolation={args.env_isolation}, 2 CPU cores)\n")
     print(table(["env", "sampled tokens", "agent loop tok/s", "bare vLLM tok/s", "ratio"], rows))
     print()
     print(table(["env", "episodes", "seconds", "episodes/s", "tokens/episode"], episode_rows))
@@ -94,6 +99,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens-per-turn", type=int, default=48)
+    parser.add_argument("--env-isolation", choices=("process", "thread"), default="process")
     asyncio.run(run(parser.parse_args()))
 
 

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from agentrl.driver import GroupReport, Progress
+from agentrl.driver import GroupReport, Progress, rollout_metrics
 from agentrl.failures import FailureWatch, JobFailed, describe_failures, failure_counts
 from agentrl.types import Boundary, Status, Trajectory
 
@@ -21,6 +21,15 @@ def test_a_steps_failures_are_named_by_boundary_with_the_first_message():
     assert failure_counts(batch) == {"env": 2, "tool": 1}
     assert describe_failures(batch) == "3 failed (env 2, tool 1; first: ZeroDivisionError: division by zero)"
     assert describe_failures([traj(0)]) == ""
+
+
+def test_mlflow_counts_failed_episodes_per_boundary_every_step():
+    batch = [traj(0), traj(1, Boundary.ENV), traj(2, Boundary.TOOL), traj(3, Boundary.ENV), traj(4, Boundary.WORKER)]
+    metrics = rollout_metrics(batch)
+    assert {k: v for k, v in metrics.items() if k.startswith("rollout/failed/")} == {
+        "rollout/failed/model": 0, "rollout/failed/env": 2, "rollout/failed/tool": 1, "rollout/failed/sandbox": 0,
+        "rollout/failed/worker": 1}
+    assert metrics["rollout/failed_fraction"] == 4 / 5
 
 
 def test_the_watch_stops_once_the_windows_failed_fraction_exceeds_the_threshold():
