@@ -1,0 +1,74 @@
+"""Every process a rollout worker started ends with it, however it ends (issue 27): vLLM's engine core used to run
+on, reparented to init with ~1.7 GB, after its worker was killed; agentrl's vLLM plugin now makes each process vLLM
+starts exit when the one that started it is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+WORKER = textwrap.dedent("""
+    import asyncio, sys
+    from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
+
+    async def main():
+        await PolicyEngine.create(EngineSpec(model=sys.argv[1], max_model_len=512, kv_cache_memory_bytes=64 << 20))
+        print("ready", flush=True)
+        await asyncio.sleep(3600)
+
+    if __name__ == "__main__":  # vLLM spawns its engine core, which imports this module again
+        asyncio.run(main())
+""")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_engine_core_ends_when_its_worker_is_killed(tmp_path):
+    from agentrl.init_model import init_model
+
+    checkpoint = init_model(str(tmp_path / "ckpt"), preset="tiny", vocab_size=512, env_ids=("agentrl/Calc-v0",))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    worker = subprocess.Popen([sys.executable, str(script), checkpoint], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in worker.stdout:  # vLLM logs to stdout too
+            if line.strip() == "ready":
+                break
+        else:
+            raise AssertionError(f"the worker ended (exit {worker.wait()}) before its engine was ready")
+        started = children(worker.pid)
+        assert any("EngineCore" in open(f"/proc/{p}/cmdline").read() for p in started), started
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in started if alive(p)]
+    for pid in left:  # do not leave them to the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after their worker was killed: {left}"
