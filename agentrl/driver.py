@@ -115,7 +115,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         requests = sampler.requests(at_step)
         held = set(ray.get(store.held.remote([r.trajectory_id for r in requests])))
         fresh = [r for r in requests if r.trajectory_id not in held]
-        return pool.submit(fresh, ray.get(store.take_partials.remote()), job.rollout.token_budget)
+        # with the policy version serving when they start (async: one behind the one trained meanwhile)
+        return pool.submit(fresh, ray.get(store.take_partials.remote()), job.rollout.token_budget), weights.version
 
     tracker.log_metrics(evaluate(pool, job, sampler), step=step)
     in_flight = submit_rollout(step)
@@ -125,7 +126,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     while step < job.algorithm.steps:
         t_step = time.perf_counter()
         limit = job.algorithm.max_trajectory_tokens(step, job.rollout.max_trajectory_tokens)
-        trajectories = pool.collect(in_flight)                                            # rollout
+        pending, submitted_version = in_flight
+        trajectories = pool.collect(pending)                                              # rollout
         rollout_s = time.perf_counter() - t_step
         ray.get(store.put.remote([t for t in trajectories if t.status != Status.PARTIAL]))  # store
         ray.get(store.put_partial.remote([t for t in trajectories if t.status == Status.PARTIAL]))
@@ -153,7 +155,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
                    "train/uniform_groups": uniform, "train/groups_trained": groups.trained,
                    **{f"store/{k}": v for k, v in store_stats.items()},
-                   "policy_version": weights.version, "context/max_trajectory_tokens": limit,
+                   "policy_version": weights.version, "rollout/submitted_version": submitted_version,
+                   "context/max_trajectory_tokens": limit,
                    "time/rollout_s": rollout_s, "time/train_s": train_s, "time/sync_s": sync_s,
                    "time/step_s": time.perf_counter() - t_step,
                    "weights/publish_s": weights.gather_s + weights.write_s}

@@ -80,6 +80,7 @@ def test_env_that_raises_in_the_tokenizer_corpus_fails_before_ray(project, tmp_p
     assert last.startswith("agentrl: job failed:") and "ZeroDivisionError: units env broke" in last, done.stderr
     assert "model.tokenizer" in last  # the way around it: a tokenizer that does not need the env's text
     assert "Traceback" not in done.stderr and "ray" not in done.stdout.lower()
+    assert mlflow_status(run_dir) == "FAILED"
 
 
 def test_env_that_raises_on_policy_turns_stops_the_job(project, tmp_path):

@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from tests.processes import children, still_alive_after
 
 pytest.importorskip("vllm")
 
@@ -27,22 +28,6 @@ WORKER = textwrap.dedent("""
     if __name__ == "__main__":  # vLLM spawns its engine core, which imports this module again
         asyncio.run(main())
 """)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            found += [int(c) for c in f.read().split()]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -65,10 +50,7 @@ def test_the_engine_core_ends_when_its_worker_is_killed(tmp_path):
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-    deadline = time.monotonic() + 15
-    while any(alive(p) for p in started) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in started if alive(p)]
+    left = still_alive_after(started, 15)
     for pid in left:  # do not leave them to the rest of the suite
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after their worker was killed: {left}"

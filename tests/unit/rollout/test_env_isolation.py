@@ -25,6 +25,7 @@ from agentrl.rollout.policy_engine import Generation
 from agentrl.tokenizer import byte_tokenizer
 from agentrl.types import Boundary, Status
 from tests.faulty_envs import ENV_ID, task_index
+from tests.processes import alive, still_alive_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -150,14 +151,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_env_processes_end_when_their_worker_is_killed():
     worker = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -167,7 +160,4 @@ def test_env_processes_end_when_their_worker_is_killed():
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
+    assert still_alive_after(pids, 10) == []
