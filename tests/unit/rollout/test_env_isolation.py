@@ -99,9 +99,10 @@ def test_a_tool_holding_the_gil_fails_its_episode_on_time_and_the_others_go_on()
 def test_in_threads_the_same_kind_of_call_freezes_the_worker():
     """Why envs get processes: a brief GIL-holding call in a thread stops the event loop for all of it."""
     loop = loop_for("thread", timeout_s=0.2)
-    trajs, _, gap = asyncio.run(run_with_ticker(loop, ["hog_briefly"]))
-    assert trajs[0].status == Status.FAILED and trajs[0].failure == Boundary.TOOL
-    assert gap > 0.6, gap  # no tick for the whole computation: the timeout fired only after it
+    trajs, elapsed, gap = asyncio.run(run_with_ticker(loop, ["hog_briefly"]))
+    assert gap > 0.6, gap  # no tick for the whole computation: the 0.2 s timeout could not fire during it
+    # once the loop runs again, the overdue timeout and the call's result race: either may end the episode
+    assert trajs[0].status in (Status.FAILED, Status.COMPLETED) and elapsed > 0.6, (trajs[0].status, elapsed)
 
 
 def test_env_errors_a_dead_env_process_and_10_mb_results_are_reported_not_raised():
