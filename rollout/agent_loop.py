@@ -254,8 +254,14 @@ class AgentLoop:
                 traj.reward_components = dict(info.get("reward_components", {}))
                 traj.status = Status.COMPLETED if terminated else Status.TRUNCATED
                 return
+            rendered = self.chat.render_observation(observation)
+            if len(traj.tokens) + len(rendered) > cfg.max_trajectory_tokens:  # a tool answered more than fits
+                traj.status = Status.TRUNCATED
+                traj.error = (f"the observation's {len(rendered)} tokens do not fit in the trajectory token budget of "
+                              f"{cfg.max_trajectory_tokens} ({len(traj.tokens)} used)")
+                return
             start = len(traj.tokens)
-            traj.append_prompt(self.chat.render_observation(observation))
+            traj.append_prompt(rendered)
             traj.turns.append(Turn(role="tool", start=start, end=len(traj.tokens),
                                    text=self.chat.tokenizer.decode(traj.tokens[start:])))
             traj.metadata["turn_start"] = len(traj.tokens)

@@ -172,6 +172,11 @@ class PolicyEngine:
     async def check_health(self) -> None:
         await self.llm.check_health()
 
+    @property
+    def dead(self) -> bool:
+        """The engine core process is gone (vLLM cannot recover from that: the engine must be rebuilt)."""
+        return bool(getattr(self.llm, "errored", False))
+
     def shutdown(self) -> None:
         self.llm.shutdown()
 

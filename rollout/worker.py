@@ -5,13 +5,15 @@ Ray shell the driver places on the cluster. It is an async actor, so `update_wei
 flight: generation pauses, the weights change, and the episodes continue under the new version.
 
 `RolloutPool` is the caller's side: it spreads episode requests over the workers, detects a dead worker, replaces
-it and reruns the requests it held.
+it and reruns the requests it held. A worker whose vLLM engine core died ends its own process (vLLM cannot rebuild a
+dead engine in place), so that the pool replaces it the same way and its episodes are rerun, not failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import zlib
 from dataclasses import replace
@@ -75,12 +77,17 @@ class RolloutWorker:
             jobs.append(one(request, partial))
         t0 = time.perf_counter()
         trajectories = await asyncio.gather(*jobs)
+        self._end_if_engine_died()  # its episodes failed at the model boundary for want of an engine
         log.info("worker ran %d episodes in %.1fs", len(trajectories), time.perf_counter() - t0)
         return list(trajectories)
 
     async def update_weights(self, path: str, version: int) -> int:
         engine = await self._ready()
-        await engine.update_weights(path, version)
+        try:
+            await engine.update_weights(path, version)
+        except Exception:
+            self._end_if_engine_died()
+            raise
         return engine.version
 
     async def version(self) -> int:
@@ -88,8 +95,20 @@ class RolloutWorker:
 
     async def ping(self) -> int:
         engine = await self._ready()
-        await engine.check_health()
+        try:
+            await engine.check_health()
+        except Exception:
+            self._end_if_engine_died()
+            raise
         return engine.version
+
+    def _end_if_engine_died(self) -> None:
+        """Ends this process when the engine core is gone (the caller sees the worker die and replaces it)."""
+        if self.engine is None or not self.engine.dead:
+            return
+        log.error("the vLLM engine core of this rollout worker died; ending the worker so that it is replaced")
+        self.envs.close()
+        os._exit(1)
 
     def set_max_trajectory_tokens(self, limit: int) -> None:
         """The context schedule's current limit (applies to episodes started or resumed from now on)."""
@@ -120,6 +139,7 @@ class RolloutPool:
         self.actor_cls, self.args, self.kwargs = actor_cls, args, dict(kwargs or {})
         self.workers = [self._start() for _ in range(num_workers)]
         self.weights: tuple[str, int] | None = None
+        self.max_trajectory_tokens: int | None = None  # the context schedule's limit, once set
         self.restarts = 0
 
     def _start(self):
@@ -130,12 +150,14 @@ class RolloutPool:
 
         self.restarts += 1
         log.warning("rollout worker %d died; starting a replacement", index)
+        spec, *rest = self.args
         kwargs = dict(self.kwargs)
-        if self.weights is not None:
+        if self.weights is not None:  # built on the weights now served: the ones it started with may be pruned
+            spec = replace(spec, model=self.weights[0])
             kwargs["version"] = self.weights[1]
-        self.workers[index] = self.actor_cls.remote(*self.args, **kwargs)
-        if self.weights is not None:
-            ray.get(self.workers[index].update_weights.remote(*self.weights))
+        self.workers[index] = self.actor_cls.remote(spec, *rest, **kwargs)
+        if self.max_trajectory_tokens is not None:
+            ray.get(self.workers[index].set_max_trajectory_tokens.remote(self.max_trajectory_tokens))
 
     def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
                token_budget: int | None = None, temperature: float | None = None) -> list[tuple[int, tuple, Any]]:
@@ -174,7 +196,13 @@ class RolloutPool:
     def set_max_trajectory_tokens(self, limit: int) -> None:
         import ray
 
-        ray.get([w.set_max_trajectory_tokens.remote(limit) for w in self.workers])
+        self.max_trajectory_tokens = limit
+        refs = [w.set_max_trajectory_tokens.remote(limit) for w in self.workers]
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._replace(i)
 
     def update_weights(self, path: str, version: int) -> None:
         import ray

@@ -162,3 +162,17 @@ def test_env_processes_end_when_their_worker_is_killed():
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
     assert still_alive_after(pids, 10) == []
+
+
+def test_an_observation_longer_than_the_trajectory_budget_truncates_the_episode_within_it():
+    """A tool's 10 MB answer is cut by the env to max_tool_output_chars (20k characters), which is still more than a
+    short trajectory budget: the episode ends TRUNCATED without it, never longer than the budget (a 20k-token
+    trajectory once reached the trainer and took 11 GB there)."""
+    chat = get_format("agentrl", HFTokenizer(byte_tokenizer()))
+    loop = AgentLoop(ScriptedEngine(chat), chat, RolloutConfig(env_isolation="thread", max_trajectory_tokens=2000))
+    try:
+        flood = asyncio.run(loop.run(request("flood")))
+    finally:
+        loop.envs.close()
+    assert flood.status == Status.TRUNCATED and "do not fit in the trajectory token budget of 2000" in flood.error
+    assert 0 < len(flood.tokens) <= 2000 and flood.num_sampled > 0
