@@ -156,7 +156,9 @@ class AlgorithmConfig:
     sft_target_success: float | None = None
     sft_eval_every: int = 10  # SFT steps between the warm start's greedy checks (with sft_target_success)
     eval_every: int = 0  # evaluate the success rate on held-out tasks every n steps (0: only at start and end)
-    checkpoint_every: int = 10  # RL steps between checkpoints (a stopped run resumes from the last one)
+    # steps (SFT and RL) between checkpoints: a stopped run resumes from the last one, and MLflow gets a step's metrics
+    # once it is checkpointed (a resumed run never logs a step twice)
+    checkpoint_every: int = 10
     # the trajectory length limit by step: a list of {start_step, max_trajectory_tokens}
     context_schedule: list[ContextStage] = field(default_factory=list)
     # stop the job (non-zero exit, MLflow run FAILED) once more than this fraction of the episodes of the last
@@ -203,10 +205,17 @@ class ClusterConfig:
     trainer_cpus: float = 1.0  # per trainer rank
     trainer_gpus: float = 0.0  # per trainer rank
     placement: str = "colocated"  # "colocated": rollout and trainer share nodes/GPUs; "separate": disjoint bundles
+    # a trainer rank or the store that dies (or a trainer call that outlasts trainer_timeout_s) restarts the job from
+    # its last checkpoint, in place, up to max_restarts times; dead rollout workers are replaced without a restart
+    max_restarts: int = 3
+    trainer_timeout_s: float = 3600.0  # the longest wait for a trainer call (a step, a checkpoint) before a restart
 
     def __post_init__(self):
         if self.trainer_ranks < 1:
             raise ValueError(f"cluster.trainer_ranks={self.trainer_ranks} must be >= 1")
+        if self.max_restarts < 0 or self.trainer_timeout_s <= 0:
+            raise ValueError(f"cluster.max_restarts must be >= 0 and cluster.trainer_timeout_s > 0, got "
+                             f"{self.max_restarts}, {self.trainer_timeout_s}")
         if self.placement not in ("colocated", "separate"):
             raise ValueError(f"cluster.placement={self.placement!r} must be 'colocated' or 'separate'")
 

@@ -7,8 +7,10 @@ rollout before training on the current one: the rollout workers keep sampling wh
 weights in flight when they are published (tokens record the version that sampled them), and the store refuses
 groups older than `max_staleness` versions. A context schedule raises the trajectory length limit by step.
 
-Everything is resumable: the trainer checkpoint carries the step, the policy version and the store's position; the
-store replays its Parquet log to that position; the MLflow run is reopened and its curves continue.
+Everything is resumable: the trainer checkpoint carries the step, the policy version, the store's position and the
+metrics of the steps it completes; the store replays its Parquet log to that position; the MLflow run is reopened and
+its curves continue (MLflow gets a step once it is checkpointed, so no step is ever logged twice). A trainer rank or
+the store that dies restarts the job from that checkpoint in place; a dead rollout worker is replaced (RolloutPool).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.config import ConfigError, JobConfig, check_checkpoint, check_env
-from agentrl.failures import EnvCodeError, FailureWatch, JobFailed, describe_failures, first_line
+from agentrl.failures import ActorLost, EnvCodeError, FailureWatch, JobFailed, describe_failures, first_line
 from agentrl.interrupt import JobInterrupted, StopRequest
 from agentrl.reward import drop_uniform_groups
 from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
@@ -41,24 +43,39 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     """Runs (or resumes) the job in `job.run_dir`; returns the final metrics.
 
     SIGINT / SIGTERM stop it at the next step boundary with a checkpoint (JobInterrupted; the MLflow run ends KILLED);
-    any other failure ends the MLflow run FAILED; a JobFailed (an env that keeps failing, an oracle that raises) has
-    its traceback written to `<run_dir>/error.log`. Either way the job's actors are shut down.
+    a trainer rank or the store that dies restarts it from its last checkpoint, up to `cluster.max_restarts` times
+    (each restart is logged, its traceback appended to `<run_dir>/error.log`); any other failure ends the MLflow run
+    FAILED; a JobFailed (an env that keeps failing, an oracle that raises, too many restarts) has its traceback
+    written to `<run_dir>/error.log`. Either way the job's actors are shut down.
     """
+    import ray
+
     check_env(job)  # a bad env setting fails here, before any actor starts
     connect(job)
     tracker = Tracker(job.tracking, job.run_dir)
     log.info("MLflow run %r: %s", os.path.basename(os.path.abspath(job.run_dir)), tracker.run_page())
+    restarts = 0
     try:
-        with StopRequest() as stop, contextlib.ExitStack() as actors:
-            metrics = train(job, resolved, tracker, stop, actors, rl=rl)
+        while True:
+            try:
+                with StopRequest() as stop, contextlib.ExitStack() as actors:
+                    metrics = train(job, resolved, tracker, stop, actors, rl=rl)
+                break
+            except (ActorLost, ray.exceptions.RayActorError) as exc:  # the actors are down: start over from disk
+                restarts += 1
+                _append_error_log(job.run_dir, f"restart {restarts}")
+                if restarts > job.cluster.max_restarts:
+                    raise JobFailed(f"{first_line(exc)}; the job restarted {job.cluster.max_restarts} time(s) from "
+                                    "its last checkpoint already (cluster.max_restarts)") from exc
+                tracker.set_tag("agentrl.restarts", restarts)
+                log.warning("%s: restarting from the last checkpoint (restart %d of at most %d)", first_line(exc),
+                            restarts, job.cluster.max_restarts)
     except JobInterrupted:
         tracker.finish("KILLED")
         raise
     except JobFailed as exc:
         tracker.finish("FAILED")
-        details = os.path.join(job.run_dir, "error.log")
-        with open(details, "a") as f:
-            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}\n")
+        details = _append_error_log(job.run_dir, "job failed")
         raise JobFailed(f"{exc} (traceback: {details})") from exc
     except BaseException:
         tracker.finish("FAILED")
@@ -66,6 +83,14 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     tracker.finish()
     log.info("done: the curves are at %s", tracker.run_page())
     return metrics
+
+
+def _append_error_log(run_dir: str, what: str) -> str:
+    """Appends the exception being handled to `<run_dir>/error.log`; returns the file's path."""
+    path = os.path.join(run_dir, "error.log")
+    with open(path, "a") as f:
+        f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n{traceback.format_exc()}\n")
+    return path
 
 
 def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: StopRequest,
@@ -83,11 +108,14 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     t0 = time.perf_counter()
     trainer = create_trainer_group(job.trainer, policy_dir, num_ranks=job.cluster.trainer_ranks,
                                    num_cpus_per_rank=job.cluster.trainer_cpus,
-                                   num_gpus_per_rank=job.cluster.trainer_gpus)
+                                   num_gpus_per_rank=job.cluster.trainer_gpus,
+                                   call_timeout_s=job.cluster.trainer_timeout_s)
     actors.callback(trainer.shutdown)
     # a checkpoint before phases existed is an RL one; a fresh run starts with the warm start (when it has one)
     state = (on_all(trainer, "load_checkpoint") if resume
              else {"global_step": 0, "store_position": 0, "phase": "sft" if job.algorithm.sft_steps else "rl"})
+    tracker.log_missing(state.get("pending_metrics", []))  # killed between its checkpoint and its log
+    metrics_log = PendingMetrics(tracker)
     store = TrajectoryStoreActor.remote(job.store_config(), resume=resume, position=state.get("store_position"))
     actors.callback(ray.kill, store)
     weights = on_all(trainer, "publish_weights")
@@ -101,9 +129,10 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     log.info("job ready in %.0fs: policy version %d, rl step %d", time.perf_counter() - t0, weights.version, step)
 
     if state.get("phase", "rl") == "sft":
-        weights = warm_start(job, trainer, tracker, pool, sampler, stop, first_step=state.get("sft_step", 0) + 1)
+        weights = warm_start(job, trainer, metrics_log, pool, sampler, stop, first_step=state.get("sft_step", 0) + 1)
         pool.update_weights(weights.path, weights.version)
-        on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "rl"})  # SFT is done
+        on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "rl", **metrics_log.state()})
+        metrics_log.flush()  # SFT is done
     if not rl:
         return {}
 
@@ -118,7 +147,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         # with the policy version serving when they start (async: one behind the one trained meanwhile)
         return pool.submit(fresh, ray.get(store.take_partials.remote()), job.rollout.token_budget), weights.version
 
-    tracker.log_metrics(evaluate(pool, job, sampler), step=step)
+    if step == 0:  # a resumed run evaluated when it started (and at its eval_every steps)
+        metrics_log.add(step, evaluate(pool, job, sampler))
     in_flight = submit_rollout(step)
     metrics: dict[str, float] = {}
     watch = FailureWatch(job.env.id, job.algorithm.max_failed_fraction, job.algorithm.failure_window)
@@ -132,8 +162,11 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         ray.get(store.put.remote([t for t in trajectories if t.status != Status.PARTIAL]))  # store
         ray.get(store.put_partial.remote([t for t in trajectories if t.status == Status.PARTIAL]))
         dropped_before = ray.get(store.stats.remote())
+        # sync: the step's episodes are all back, so what is complete trains now (a group whose every member failed
+        # was dropped); async: wait for a full batch
         batch = ray.get(store.take_batch.remote(job.rollout.groups_per_step, weights.version,
-                                                job.algorithm.max_staleness))
+                                                job.algorithm.max_staleness,
+                                                min_groups=1 if job.algorithm.mode == "sync" else None))
         if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
             in_flight = submit_rollout(step + 1)
         trainable, uniform = select_trainable(job, batch)
@@ -163,13 +196,14 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         if job.algorithm.eval_every and step % job.algorithm.eval_every == 0 or step == job.algorithm.steps:
             metrics.update(evaluate(pool, job, sampler))
         t_log = time.perf_counter()
-        tracker.log_metrics(metrics, step=step)                                             # log
         tracker.log_transcripts(trajectories, step, last=step == job.algorithm.steps)
+        metrics_log.add(step, metrics)
         stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
         if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps or stopping:
             position = ray.get(store.stats.remote())["position"]
-            on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step, "phase": "rl"})
-        tracker.log_metrics({"time/log_s": time.perf_counter() - t_log}, step=step)  # logging + checkpoint
+            on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step, "phase": "rl",
+                                                **metrics_log.state()})
+            metrics_log.flush(log_s=time.perf_counter() - t_log)                                # log
         progress.report(step, metrics, groups, describe_failures(trajectories), time.perf_counter() - t_step)
         if stopping:
             raise stop.interrupted(f"RL step {step} of {job.algorithm.steps}")
@@ -188,6 +222,9 @@ def connect(job: JobConfig) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
+        from agentrl.reaper import start_reaper
+
+        start_reaper()  # the local instance's processes end with this one, however it ends
         ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
 
 
@@ -255,12 +292,57 @@ def select_trainable(job: JobConfig, batch) -> tuple[list[Trajectory], int]:
 
 
 def on_all(group, method: str, *args):
-    """Calls `method` on every trainer rank (they take part in the same collectives); returns rank 0's answer."""
+    """Calls `method` on every trainer rank (they take part in the same collectives); returns rank 0's answer.
+
+    A rank that dies, or a call that outlasts `group.call_timeout_s`, raises ActorLost at once: the other ranks would
+    wait in their collectives for the missing one (up to trainer.dist_timeout_s), so waiting for rank 0 first would
+    hang the driver as long."""
     import ray
 
     if args and isinstance(args[0], list):
         args = (ray.put(args[0]), *args[1:])  # one copy in the object store for all ranks
-    return ray.get([getattr(rank, method).remote(*args) for rank in group.ranks])[0]
+    refs = [getattr(rank, method).remote(*args) for rank in group.ranks]
+    timeout = group.call_timeout_s
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiting = list(refs)
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=1,
+                                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise ActorLost(f"trainer rank(s) {sorted(refs.index(r) for r in waiting)} did not finish {method} "
+                            f"within cluster.trainer_timeout_s={timeout:g}s")
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayActorError as exc:
+            raise ActorLost(f"trainer rank {refs.index(done[0])} died during {method}: {first_line(exc)}") from exc
+    return ray.get(refs[0])
+
+
+class PendingMetrics:
+    """The metrics of the steps since the last checkpoint. MLflow gets a step once its checkpoint is written, so a
+    run that resumes from that checkpoint (and redoes the steps after it) never logs a step twice; the checkpoint
+    carries them, so a run killed between the checkpoint and the log still logs them when it resumes
+    (Tracker.log_missing)."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+        self.steps: list[tuple[int, dict[str, float]]] = []
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        if metrics:
+            self.steps.append((step, {k: float(v) for k, v in metrics.items()}))
+
+    def state(self) -> dict[str, Any]:
+        """What the checkpoint about to be written carries."""
+        return {"pending_metrics": list(self.steps)}
+
+    def flush(self, **timings: float) -> None:
+        """Logs the pending steps (after their checkpoint); `timings` (e.g. log_s) join the last one as time/<key>."""
+        if self.steps and timings:
+            self.steps[-1][1].update({f"time/{k}": v for k, v in timings.items()})
+        for step, metrics in self.steps:
+            self.tracker.log_metrics(metrics, step=step)
+        self.steps = []
 
 
 def prepare_policy(job: JobConfig) -> tuple[str, bool]:
@@ -378,9 +460,10 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
     return rollout_metrics(trajectories, prefix="eval")
 
 
-def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSampler, stop: StopRequest, *,
+def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampler: TaskSampler, stop: StopRequest, *,
                first_step: int = 1):
-    """SFT on oracle trajectories of the training tasks; returns the published weights.
+    """SFT on oracle trajectories of the training tasks; returns the published weights. A checkpoint every
+    `checkpoint_every` SFT steps (its steps' metrics reach MLflow then); the caller checkpoints the end.
 
     With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
     the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target. A stop
@@ -426,18 +509,22 @@ def warm_start(job: JobConfig, trainer, tracker: Tracker, pool, sampler: TaskSam
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
-        tracker.log_metrics(metrics, step=step - 1)
+        metrics_log.add(step - 1, metrics)
         if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
             log.info("sft step %d/%d: %s", step, algo.sft_steps,
                      ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics))
         if reached:
             break
-        if stop.requested:  # checkpointed before the check returns: no window for a signal to slip through
-            on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "sft", "sft_step": step})
+        stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
+        if stopping or step % job.algorithm.checkpoint_every == 0 and step < algo.sft_steps:
+            on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "sft", "sft_step": step,
+                                                **metrics_log.state()})
+            metrics_log.flush()
+        if stopping:
             raise stop.interrupted(f"SFT step {step} of {algo.sft_steps}")
     if warmup is not None:
         pool.collect(warmup)
-    tracker.log_metrics({"sft/steps_run": step}, step=step - 1)
+    metrics_log.add(step - 1, {"sft/steps_run": step})
     if algo.sft_lr is not None:
         on_all(trainer, "set_lr", job.trainer.lr)
     on_all(trainer, "reset_reference")  # RL's KL term (kl_coef > 0) anchors to the warm-started policy

@@ -20,6 +20,11 @@ class JobFailed(RuntimeError):
     what, in one line. The driver ends the MLflow run FAILED and the command exits non-zero."""
 
 
+class ActorLost(RuntimeError):
+    """A trainer rank or the trajectory store died or stopped answering. The job's state is in its last checkpoint and
+    the store's log, so the driver tears the actors down and restarts from there (up to `cluster.max_restarts`)."""
+
+
 class EnvCodeError(RuntimeError):
     """An environment's own code raised while agentrl ran it outside an episode (e.g. playing its oracle to train a
     tokenizer): the env to blame, and its exception as the cause."""

@@ -195,13 +195,16 @@ class TrajectoryStore:
         return [i for i in trajectory_ids if i in self._seen_ids or i in self._partials]
 
     # --- reading ------------------------------------------------------------------------------------------------------
-    def take_batch(self, num_groups: int, current_version: int, max_staleness: int) -> Batch | None:
-        """The oldest `num_groups` complete groups whose lag ≤ max_staleness, or None if there are fewer.
+    def take_batch(self, num_groups: int, current_version: int, max_staleness: int, *,
+                   min_groups: int | None = None) -> Batch | None:
+        """The oldest `num_groups` complete groups whose lag ≤ max_staleness, or None if there are fewer than
+        `min_groups` (default: `num_groups`) of them.
 
         Stale and untrainable complete groups met on the way are dropped (and logged) even when None is returned.
         """
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        min_groups = num_groups if min_groups is None else min_groups
+        if num_groups < 1 or not 1 <= min_groups <= num_groups:
+            raise ValueError(f"need 1 <= min_groups <= num_groups, got {min_groups} and {num_groups}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         chosen: list[tuple[str, int]] = []
@@ -219,7 +222,7 @@ class TrajectoryStore:
             chosen.append((group_id, lag))
             if len(chosen) == num_groups:
                 break
-        if len(chosen) < num_groups:
+        if len(chosen) < min_groups:
             return None
         group_ids = [g for g, _ in chosen]
         batch = Batch(index=self._position, group_ids=group_ids, max_lag=max(lag for _, lag in chosen),

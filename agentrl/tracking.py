@@ -9,7 +9,8 @@ sqlite:///<run_dir>/mlflow.db` shows the reward curve of a local run; the run is
 driver logs (trainer rank 0 reports its metrics through it), so curves never double.
 
 A resumed run reopens the same MLflow run (its id is kept in the run directory) and continues its curves at the
-step it resumes from.
+step it resumes from. The driver logs a step once it is checkpointed (agentrl.driver.PendingMetrics), so the curves
+hold each step once, however often the run was stopped and resumed.
 """
 
 from __future__ import annotations
@@ -106,6 +107,30 @@ class Tracker:
         clean = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and _finite(v)]
         for i in range(0, len(clean), 500):
             self.client.log_batch(self.run_id, metrics=clean[i:i + 500])
+
+    def logged_steps(self, key: str) -> set[int]:
+        """The steps at which `key` has been logged in this run."""
+        return {m.step for m in self.client.get_metric_history(self.run_id, key)}
+
+    def log_missing(self, steps: list[tuple[int, dict[str, float]]]) -> int:
+        """Logs those of `steps` ((step, metrics) pairs) that MLflow lacks, judged by each one's first metric; returns
+        how many it logged. The driver's checkpoints carry the metrics of the steps they complete, so that a run killed
+        between a checkpoint and logging its steps logs them when it resumes, and never twice."""
+        logged: dict[str, set[int]] = {}
+        count = 0
+        for step, metrics in steps:
+            if not metrics:
+                continue
+            key = min(metrics)
+            if key not in logged:
+                logged[key] = self.logged_steps(key)
+            if step not in logged[key]:
+                self.log_metrics(metrics, step=step)
+                count += 1
+        return count
+
+    def set_tag(self, key: str, value: Any) -> None:
+        self.client.set_tag(self.run_id, key, str(value))
 
     def log_transcripts(self, trajectories: list[Trajectory], step: int, *, last: bool = False) -> None:
         """A few trajectories as an HTML page (readable in the MLflow UI) and JSON, at the first step, the `last` one

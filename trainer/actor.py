@@ -41,6 +41,7 @@ class TrainerGroup:
 
     ranks: list[Any]
     placement_group: PlacementGroup
+    call_timeout_s: float | None = None  # how long the driver waits for a call on every rank (None: forever)
 
     def shutdown(self) -> None:
         """Kills the rank actors and frees their resources."""
@@ -50,7 +51,8 @@ class TrainerGroup:
 
 
 def create_trainer_group(config: TrainerConfig, model: Any, *, num_ranks: int, num_cpus_per_rank: float = 1,
-                         num_gpus_per_rank: float = 0, strategy: str = "PACK") -> TrainerGroup:
+                         num_gpus_per_rank: float = 0, strategy: str = "PACK",
+                         call_timeout_s: float | None = None) -> TrainerGroup:
     """Places `num_ranks` PolicyTrainer actors and waits until every one has joined the process group.
 
     `model` is what PolicyTrainer takes: preferably a checkpoint path (every rank loads it) or a HybridMoEConfig.
@@ -85,7 +87,7 @@ def create_trainer_group(config: TrainerConfig, model: Any, *, num_ranks: int, n
     except Exception:
         TrainerGroup(ranks=ranks, placement_group=pg).shutdown()
         raise
-    return TrainerGroup(ranks=ranks, placement_group=pg)
+    return TrainerGroup(ranks=ranks, placement_group=pg, call_timeout_s=call_timeout_s)
 
 
 __all__ = ["TrainerGroup", "create_trainer_group"]

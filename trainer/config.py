@@ -27,6 +27,7 @@ class TrainerConfig:
         seed: initialises a model built from a config and the RNGs.
         loss: the objective (LossConfig; kind="sft" for supervised warm starts).
         keep_weight_versions: published versions kept on disk.
+        keep_checkpoints: training checkpoints kept on disk (the newest; older ones are deleted after each save).
         zero3_param_persistence_threshold: ZeRO-3 leaves parameters smaller than this unsharded.
         num_threads: torch intra-op threads per rank (None: leave as set).
         dist_timeout_s: collective time-out.
@@ -51,6 +52,7 @@ class TrainerConfig:
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
     keep_weight_versions: int = 3
+    keep_checkpoints: int = 2
     zero3_param_persistence_threshold: int = 100_000
     num_threads: int | None = None
     dist_timeout_s: float = 600.0
@@ -77,3 +79,5 @@ class TrainerConfig:
                              f"partitions expert parameters over expert-data-parallel groups only under ZeRO-1/2")
         if self.keep_weight_versions < 1:
             raise ValueError(f"trainer.keep_weight_versions must be >= 1, got {self.keep_weight_versions}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")

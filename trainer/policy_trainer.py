@@ -298,6 +298,8 @@ class PolicyTrainer:
             save_model_shards(self.policy, self.policy.config, os.path.join(root, tag, MODEL_DIR), rank=self.rank,
                               ep_size=self.ep_size)
         dist.barrier()
+        if self.rank == 0:
+            prune_checkpoints(root, keep=self.config.keep_checkpoints)
         return os.path.join(root, tag)
 
     def load_checkpoint(self, path: str | None = None) -> dict:
@@ -438,6 +440,22 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def prune_checkpoints(root: str, *, keep: int) -> list[str]:
+    """Deletes all but the newest `keep` `step{N}` checkpoints under `root` (never the one `latest` names); returns the
+    deleted directories. Called after every rank has finished its save, so the newest is complete."""
+    import shutil
+
+    steps = sorted((int(name[4:]), name) for name in os.listdir(root)
+                   if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(root, name)))
+    latest = _read_latest(root) if os.path.exists(os.path.join(root, "latest")) else None
+    deleted = []
+    for _, name in steps[:-keep]:
+        if name != latest:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            deleted.append(os.path.join(root, name))
+    return deleted
 
 
 def _read_latest(root: str) -> str:

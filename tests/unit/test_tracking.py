@@ -63,3 +63,23 @@ def test_transcripts_are_logged_at_the_first_the_last_and_every_nth_step(tmp_pat
     never = Tracker(TrackingConfig(experiment="t", transcripts_every=0), str(tmp_path / "never"))
     never.log_transcripts(batch, 1, last=True)
     assert never.client.list_artifacts(never.run_id) == []
+
+
+def test_pending_metrics_reach_mlflow_at_the_checkpoint_and_a_resume_logs_only_what_is_missing(tmp_path):
+    """A step's metrics wait for its checkpoint; the checkpoint carries them, so a run killed between the checkpoint
+    and the log logs them when it resumes, and a step already logged is not logged again."""
+    from agentrl.driver import PendingMetrics
+
+    tracker = Tracker(TrackingConfig(experiment="t"), str(tmp_path))
+    pending = PendingMetrics(tracker)
+    pending.add(1, {"time/step_s": 1.0, "train/loss": 0.5})
+    pending.add(2, {"time/step_s": 2.0, "train/loss": 0.4})
+    assert read_metric_history(str(tmp_path), "time/step_s") == []  # not checkpointed yet
+    carried = pending.state()["pending_metrics"]
+    pending.flush(log_s=0.1)
+    assert read_metric_history(str(tmp_path), "time/step_s") == [(1, 1.0), (2, 2.0)]
+    assert read_metric_history(str(tmp_path), "time/log_s") == [(2, 0.1)]
+    # a resume from that checkpoint: steps 1 and 2 are in MLflow already; a third carried step is not
+    assert tracker.log_missing([*carried, (3, {"time/step_s": 3.0})]) == 1
+    assert read_metric_history(str(tmp_path), "time/step_s") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert tracker.log_missing(carried) == 0
