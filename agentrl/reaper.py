@@ -49,7 +49,8 @@ def _identity(pid: int) -> tuple[int, str] | None:
     return (pid, fields[19]) if fields[0] != "Z" else None  # field 22 of stat: 20th after the name
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` in the process tree (from /proc/PID/task/TID/children), those gone skipped."""
     found, queue = [], [pid]
     while queue:
         parent = queue.pop()
@@ -73,7 +74,7 @@ def watch(driver: int) -> None:
     me = os.getpid()
     seen: set[tuple[int, str]] = set()
     while True:
-        seen |= {ident for p in _descendants(driver) if p != me and (ident := _identity(p)) is not None}
+        seen |= {ident for p in descendants(driver) if p != me and (ident := _identity(p)) is not None}
         readable, _, _ = select.select([sys.stdin], [], [], POLL_S)
         if readable and not sys.stdin.buffer.read1(1):  # EOF: the driver is gone
             break
