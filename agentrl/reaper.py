@@ -56,13 +56,13 @@ def descendants(pid: int) -> list[int]:
         parent = queue.pop()
         try:
             tasks = os.listdir(f"/proc/{parent}/task")
-        except FileNotFoundError:
+        except OSError:
             continue
         for tid in tasks:
             try:
                 with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-            except FileNotFoundError:
+                    kids = [int(c) for c in f.read().split() if int(c) not in found]
+            except OSError:
                 continue
             found += kids
             queue += kids

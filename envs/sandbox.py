@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
 from agentrl.envs.errors import SandboxError
+from agentrl.reaper import descendants
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 SANDBOX_UID_BASE = 200_000  # uids SANDBOX_UID_BASE .. + _UID_SPAN, used only when the host runs as root
@@ -271,29 +272,10 @@ class _MemoryWatch:
         now = time.monotonic()
         if now >= self._next and not self.exceeded:
             self._next = now + MEMORY_POLL_S
-            pids = _descendants(self.root) | set(_pids_of(self.uid) if self.uid is not None else ())
+            pids = {self.root, *descendants(self.root)} | set(_pids_of(self.uid) if self.uid is not None else ())
             self.peak_mb = max(self.peak_mb, sum(_resident_bytes(p) for p in pids) / (1 << 20))
             self.exceeded = self.peak_mb > self.cap_mb
         return self.exceeded
-
-
-def _descendants(root: int) -> set[int]:
-    """`root` and the processes below it, from /proc/PID/task/TID/children."""
-    found, frontier = set(), [root]
-    while frontier:
-        pid = frontier.pop()
-        found.add(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    frontier.extend(int(c) for c in f.read().split() if int(c) not in found)
-            except OSError:
-                continue
-    return found
 
 
 def _resident_bytes(pid: int) -> int:
