@@ -119,6 +119,10 @@ class RolloutJobConfig:
     max_concurrent_episodes: int = 64  # episodes in flight per worker
     token_budget: int | None = None  # sampled tokens per iteration; unfinished episodes become partial
     seeded_sampling: bool = False  # per-episode sampling streams: a sync run with the same seed repeats (agent_loop.py)
+    # running episodes are snapshotted at turn boundaries into the store, so an episode whose worker or run dies
+    # resumes where it stood instead of starting over (rollout/snapshots.py); off, only what a kill loses is counted
+    snapshots: bool = True
+    snapshot_interval_s: float = 1.0  # seconds between a worker's reports to the store (snapshots and progress)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -132,6 +136,8 @@ class RolloutJobConfig:
             raise ValueError(f"rollout.token_budget={self.token_budget} must be None or >= 1")
         if self.env_isolation not in ("process", "thread"):
             raise ValueError(f"rollout.env_isolation={self.env_isolation!r} must be 'process' or 'thread'")
+        if self.snapshot_interval_s <= 0:
+            raise ValueError(f"rollout.snapshot_interval_s={self.snapshot_interval_s} must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,6 +146,9 @@ class ContextStage:
 
     start_step: int
     max_trajectory_tokens: int
+
+
+FAILED_MEMBERS = ("resample", "keep", "drop")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -165,6 +174,11 @@ class AlgorithmConfig:
     # failure_window steps failed (an env, tool, sandbox or engine error, not a wrong answer); 1.0 never stops
     max_failed_fraction: float = 0.5
     failure_window: int = 3  # RL steps the failed fraction is measured over (fewer at the start)
+    # a group some of whose episodes failed: "resample" runs each failed one again as a new episode of the same task
+    # (a new seed, up to max_resamples times) so the group trains at full size; "keep" trains it on the members that
+    # did not fail; "drop" leaves the whole group out. A failed episode never enters the loss or the group baseline.
+    failed_members: str = "keep"
+    max_resamples: int = 1
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -182,6 +196,9 @@ class AlgorithmConfig:
         if not 0 <= self.max_failed_fraction <= 1 or self.failure_window < 1:
             raise ValueError(f"algorithm.max_failed_fraction={self.max_failed_fraction} must be in [0, 1] and "
                              f"algorithm.failure_window={self.failure_window} >= 1")
+        if self.failed_members not in FAILED_MEMBERS or self.max_resamples < 0:
+            raise ValueError(f"algorithm.failed_members={self.failed_members!r} must be one of {FAILED_MEMBERS} and "
+                             f"algorithm.max_resamples={self.max_resamples} >= 0")
         starts = [s.start_step for s in self.context_schedule]
         if starts != sorted(starts):
             raise ValueError(f"algorithm.context_schedule start steps must increase, got {starts}")

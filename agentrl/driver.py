@@ -11,6 +11,8 @@ Everything is resumable: the trainer checkpoint carries the step, the policy ver
 metrics of the steps it completes; the store replays its Parquet log to that position; the MLflow run is reopened and
 its curves continue (MLflow gets a step once it is checkpointed, so no step is ever logged twice). A trainer rank or
 the store that dies restarts the job from that checkpoint in place; a dead rollout worker is replaced (RolloutPool).
+Episodes that were running when their worker or the run died continue from their last turn-boundary snapshot in the
+store (agentrl.rollout.snapshots).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import random
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -121,7 +124,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     weights = on_all(trainer, "publish_weights")
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus, num_gpus=job.cluster.rollout_gpus),
                        job.rollout.num_workers, (engine_spec(job, weights.path), policy_dir, rollout_config(job)),
-                       {"version": weights.version})
+                       {"version": weights.version}, store=store)
     actors.callback(pool.shutdown)
     sampler = TaskSampler(job)
     step = state.get("rl_step", 0)
@@ -138,14 +141,19 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
 
     def submit_rollout(at_step: int):
         """Starts step `at_step`'s episodes (and the paused ones) under that step's context limit. After a resume the
-        store may already hold some of them (finished or paused after the checkpoint): those are not sampled again."""
+        store may already hold some of them (finished or paused after the checkpoint): those are not sampled again;
+        those that were running continue from their last snapshot."""
         limit_at = job.algorithm.max_trajectory_tokens(at_step, job.rollout.max_trajectory_tokens)
         pool.set_max_trajectory_tokens(limit_at)
         requests = sampler.requests(at_step)
         held = set(ray.get(store.held.remote([r.trajectory_id for r in requests])))
         fresh = [r for r in requests if r.trajectory_id not in held]
+        resumed = ray.get(store.take_snapshots.remote([r.trajectory_id for r in fresh]))
+        running = {t.trajectory_id for t in resumed}
+        fresh = [r for r in fresh if r.trajectory_id not in running]
         # with the policy version serving when they start (async: one behind the one trained meanwhile)
-        return pool.submit(fresh, ray.get(store.take_partials.remote()), job.rollout.token_budget), weights.version
+        return pool.submit(fresh, ray.get(store.take_partials.remote()) + resumed, job.rollout.token_budget,
+                           report=True), weights.version
 
     if step == 0:  # a resumed run evaluated when it started (and at its eval_every steps)
         metrics_log.add(step, evaluate(pool, job, sampler))
@@ -158,6 +166,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         limit = job.algorithm.max_trajectory_tokens(step, job.rollout.max_trajectory_tokens)
         pending, submitted_version = in_flight
         trajectories = pool.collect(pending)                                              # rollout
+        trajectories += resample_failed(job, pool, trajectories, sampler.requests(step))  # top groups up
         rollout_s = time.perf_counter() - t_step
         ray.get(store.put.remote([t for t in trajectories if t.status != Status.PARTIAL]))  # store
         ray.get(store.put_partial.remote([t for t in trajectories if t.status == Status.PARTIAL]))
@@ -169,7 +178,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
                                                 min_groups=1 if job.algorithm.mode == "sync" else None))
         if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
             in_flight = submit_rollout(step + 1)
-        trainable, uniform = select_trainable(job, batch)
+        trainable, uniform, short = select_trainable(job, batch)
         t_train = time.perf_counter()
         train = on_all(trainer, "step", trainable) if trainable else {}                     # train
         train_s = time.perf_counter() - t_train
@@ -184,9 +193,11 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
             in_flight = submit_rollout(step)
         store_stats = ray.get(store.stats.remote())
-        groups = GroupReport.of(job.rollout.groups_per_step, batch, trainable, uniform, dropped_before, store_stats)
+        groups = GroupReport.of(job.rollout.groups_per_step, batch, trainable, uniform, short, dropped_before,
+                                store_stats)
         metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
-                   "train/uniform_groups": uniform, "train/groups_trained": groups.trained,
+                   "train/uniform_groups": uniform, "train/short_groups_dropped": short,
+                   "train/groups_trained": groups.trained,
                    **{f"store/{k}": v for k, v in store_stats.items()},
                    "policy_version": weights.version, "rollout/submitted_version": submitted_version,
                    "context/max_trajectory_tokens": limit,
@@ -235,20 +246,22 @@ class GroupReport:
     asked: int
     trained: int
     uniform: int  # every member got the same reward: no advantage (algorithm.skip_uniform_groups)
+    short: int  # some member failed, and algorithm.failed_members=drop
     stale: int  # sampled by a policy more than algorithm.max_staleness versions old, dropped by the store
     failed: int  # every member failed, dropped by the store
     waiting: bool  # fewer complete groups than asked: no batch this step, they wait in the store
 
     @classmethod
-    def of(cls, asked: int, batch, trainable: list[Trajectory], uniform: int, before: dict[str, float],
+    def of(cls, asked: int, batch, trainable: list[Trajectory], uniform: int, short: int, before: dict[str, float],
            after: dict[str, float]) -> GroupReport:
-        return cls(asked=asked, trained=len({t.group_id for t in trainable}), uniform=uniform,
+        return cls(asked=asked, trained=len({t.group_id for t in trainable}), uniform=uniform, short=short,
                    stale=int(after["groups_dropped_stale"] - before["groups_dropped_stale"]),
                    failed=int(after["groups_dropped_untrainable"] - before["groups_dropped_untrainable"]),
                    waiting=batch is None)
 
     def __str__(self) -> str:
-        reasons = [f"{n} {why}" for n, why in ((self.uniform, "uniform"), (self.stale, "stale"),
+        reasons = [f"{n} {why}" for n, why in ((self.uniform, "uniform"), (self.short, "short of a failed member"),
+                                               (self.stale, "stale"),
                                                (self.failed, "failed")) if n]
         if self.waiting:
             reasons.append("too few complete groups: they wait for the next step")
@@ -282,13 +295,52 @@ def _duration(seconds: float) -> str:
         f"{seconds:.0f}s"
 
 
-def select_trainable(job: JobConfig, batch) -> tuple[list[Trajectory], int]:
-    """The batch's trajectories to train on, and how many of its groups were left out for equal rewards."""
+def select_trainable(job: JobConfig, batch) -> tuple[list[Trajectory], int, int]:
+    """The batch's trajectories to train on, how many of its groups were left out for equal rewards, and how many
+    because a member failed (algorithm.failed_members=drop; the batch holds only the members that did not)."""
     if batch is None:
-        return [], 0
+        return [], 0, 0
+    trajectories, short = batch.trajectories, 0
+    if job.algorithm.failed_members == "drop":
+        size = Counter(t.group_id for t in trajectories)
+        trajectories = [t for t in trajectories if size[t.group_id] == job.rollout.group_size]
+        short = sum(n < job.rollout.group_size for n in size.values())
     if not job.algorithm.skip_uniform_groups:
-        return batch.trajectories, 0
-    return drop_uniform_groups(batch.trajectories)
+        return trajectories, 0, short
+    return (*drop_uniform_groups(trajectories), short)
+
+
+def resample_failed(job: JobConfig, pool, trajectories: list[Trajectory],
+                    requests: list[EpisodeRequest]) -> list[Trajectory]:
+    """Tops up the step's groups (algorithm.failed_members=resample): each failed episode is run again as a new episode
+    of the same task and group with another seed, up to algorithm.max_resamples times; returns the new episodes, each
+    naming the one it replaces (the store puts it in that one's place). A failed episode this step did not start (a
+    paused one resumed) is resampled from the request it recorded."""
+    from agentrl.rollout.worker import request_of
+
+    if job.algorithm.failed_members != "resample":
+        return []
+    origin = {r.trajectory_id: r for r in requests}
+    failed = [t for t in trajectories if t.status == Status.FAILED]
+    out: list[Trajectory] = []
+    for attempt in range(1, job.algorithm.max_resamples + 1):
+        asks = []
+        for t in failed:
+            original = origin.get(t.trajectory_id)
+            if original is None:
+                with contextlib.suppress(ValueError):  # it failed before it recorded its request: it stays failed
+                    original = request_of(t)
+            if original is not None:
+                ask = original.resample(t.trajectory_id, attempt)
+                origin[ask.trajectory_id] = original
+                asks.append(ask)
+        if not asks:
+            break
+        log.info("resampling %d failed episode(s) (attempt %d of %d)", len(asks), attempt, job.algorithm.max_resamples)
+        again = pool.generate(asks, report=True)  # no token budget: the step's groups complete now
+        out += again
+        failed = [t for t in again if t.status == Status.FAILED]
+    return out
 
 
 def on_all(group, method: str, *args):
@@ -384,6 +436,7 @@ def rollout_config(job: JobConfig) -> RolloutConfig:
                          env_timeout_s=r.env_timeout_s, env_isolation=r.env_isolation,
                          max_concurrent_episodes=r.max_concurrent_episodes,
                          seeded_sampling=r.seeded_sampling, chat_format=job.model.chat_format,
+                         snapshots=r.snapshots, snapshot_interval_s=r.snapshot_interval_s,
                          sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
                                                max_tokens=r.max_tokens_per_turn))
 
@@ -421,6 +474,7 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str = "rollout") -> 
         f"{prefix}/episodes": len(trajectories),
         f"{prefix}/failed_fraction": sum(t.status == Status.FAILED for t in trajectories) / n,
         f"{prefix}/partial_fraction": sum(t.status == Status.PARTIAL for t in trajectories) / n,
+        f"{prefix}/resampled": sum(bool(t.metadata.get("replaces")) for t in trajectories),  # failed ones' stand-ins
         # failed episodes by the boundary that failed, every boundary each step (0 included: unbroken curves)
         **{f"{prefix}/failed/{b.value}": sum(t.status == Status.FAILED and t.failure == b for t in trajectories)
            for b in Boundary},

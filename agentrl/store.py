@@ -1,7 +1,9 @@
 """The trajectory store: a buffer of trajectories between the rollout workers and the trainer, persisted as it fills.
 
 Rollout workers `put` finished trajectories (a whole GRPO group at once or one by one) and `put_partial` the ones
-an iteration's token budget paused; the driver asks `take_batch(num_groups, current_version, max_staleness)` for
+an iteration's token budget paused; while episodes run, their workers `report` snapshots taken at turn boundaries and
+how far each episode has got (agentrl.rollout.snapshots), so that an episode whose worker or run died resumes from
+its last snapshot (`take_snapshots`) instead of starting over; the driver asks `take_batch(num_groups, current_version, max_staleness)` for
 training data. The store hands out *complete* groups only (all `group_size` members arrived), oldest first in the
 order they completed, and only their trainable members (completed or truncated, with sampled tokens).
 
@@ -9,21 +11,24 @@ Staleness: a group's policy lag is `current_version − (the oldest policy versi
 Groups whose lag exceeds `max_staleness` are **dropped**, not down-weighted: a down-weight would have to be an
 importance weight the loss already applies per token (TIS / IcePop against the recorded inference log-probs), and a
 dropped group is counted in `stats()` so the rollout side can be throttled instead. Groups without a single trainable
-member (all failed or aborted) are dropped too.
+member (all failed or aborted) are dropped too. A trajectory whose metadata names `replaces` (a failed member of its
+group, resampled: algorithm.failed_members) takes that member's place; the failed one stays in the log.
 
 Persistence (`<run_dir>/store/`), so that a run can be inspected, replayed and resumed after a crash:
 - `trajectories/part-NNNNNN.parquet`: every `put`/`put_partial` call appends one small shard through `datasets`
   (written to a temporary name, fsynced, renamed), rows in `Trajectory.to_row()` form plus `seq` (arrival number)
-  and `kind` ("full" or "partial"). Floats stay float64 so a trajectory read back is the one that was put.
-- `events.jsonl`: one line per batch taken (its index and group ids), per stale/untrainable drop and per
-  `take_partials` call.
+  and `kind` ("full", "partial" or "snapshot"). Floats stay float64 so a trajectory read back is the one that was put.
+- `events.jsonl`: one line per batch taken (its index and group ids), per stale/untrainable drop, per
+  `take_partials` call, per progress report (sampled tokens and seconds of each running episode) and per resumption
+  of snapshots (the tokens and seconds they carried over, and those sampled since that no snapshot had kept: lost).
 - `config.json`: the StoreConfig.
 
 `TrajectoryStore.open(run_dir, position=k)` rebuilds the buffer from the shards and replays the events of the first
 `k` batches (all of them when `position` is None): groups handed out in later batches return to the buffer, and the
 later events are cut from the log. With `k` = the position saved in the trainer's checkpoint, the next `take_batch`
 returns what the uninterrupted run's did. Partial trajectories that were taken but never came back (as a newer
-partial or a finished trajectory with the same id) return to the partial pool: the worker holding them died.
+partial or a finished trajectory with the same id) return to the partial pool: the worker holding them died. The
+same holds for snapshots: the newest one of an episode that never finished is kept for `take_snapshots`.
 
 `TrajectoryStoreActor` (`ray.remote(TrajectoryStore)`) is the Ray actor; Ray is imported only when it is first used.
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -112,6 +118,8 @@ class TrajectoryStore:
         self._dir = os.path.join(config.run_dir, STORE_DIR)
         self._groups: OrderedDict[str, _Group] = OrderedDict()  # buffered groups in first-arrival order
         self._partials: OrderedDict[str, Trajectory] = OrderedDict()
+        self._snapshots: dict[str, Trajectory] = {}  # running episodes' latest turn-boundary state
+        self._progress: dict[str, tuple[int, float]] = {}  # running episodes' (sampled tokens, seconds) so far
         self._seen_ids: set[str] = set()  # finished trajectory ids ever put (duplicates are an error)
         self._seq = 0  # arrival counter over all puts
         self._num_shards = 0
@@ -150,6 +158,7 @@ class TrajectoryStore:
         items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
         ids: set[str] = set()
         arriving: Counter[str] = Counter()
+        failed = {m.trajectory_id: m.group_id for g in self._groups.values() for m in g.members if not m.trainable}
         for t in items:
             t.validate()
             if t.status == Status.PARTIAL:
@@ -157,7 +166,16 @@ class TrajectoryStore:
             if t.trajectory_id in self._seen_ids or t.trajectory_id in ids:
                 raise ValueError(f"trajectory {t.trajectory_id} was already put")
             ids.add(t.trajectory_id)
-            arriving[t.group_id] += 1
+            replaces = t.metadata.get("replaces")
+            if replaces:  # a resampled member takes the place of a failed one
+                if failed.get(replaces) != t.group_id:
+                    raise ValueError(f"trajectory {t.trajectory_id} replaces {replaces}, which is not a failed member "
+                                     f"of its buffered group {t.group_id}")
+                del failed[replaces]
+            else:
+                arriving[t.group_id] += 1
+            if not t.trainable:
+                failed[t.trajectory_id] = t.group_id
             group = self._groups.get(t.group_id)
             if (len(group.members) if group else 0) + arriving[t.group_id] > self.config.group_size:
                 raise ValueError(f"group {t.group_id} would exceed group_size={self.config.group_size} members")
@@ -178,7 +196,50 @@ class TrajectoryStore:
         for t in items:
             self._partials.pop(t.trajectory_id, None)
             self._partials[t.trajectory_id] = t
+            self._forget_running(t.trajectory_id)
             self._counters["partials_put"] += 1
+
+    def report(self, snapshots: list[Trajectory], progress: dict[str, tuple[int, float]]) -> None:
+        """From a rollout worker, while its episodes run: PARTIAL snapshots taken at turn boundaries (the newest of an
+        episode replaces the older) and `progress`, each running episode's (sampled tokens, seconds) so far. Both
+        are persisted; what arrives for an episode already put (a report overtaken by its result) is ignored."""
+        snapshots = [t for t in snapshots if not self._overtaken(t.trajectory_id, len(t.tokens))]
+        progress = {k: (int(n), float(s)) for k, (n, s) in progress.items() if not self._overtaken(k)}
+        for t in snapshots:
+            t.validate()
+            if t.status != Status.PARTIAL or t.env_state is None:
+                raise ValueError(f"a snapshot is PARTIAL with its env state; {t.trajectory_id} is {t.status.value}")
+        self._persist(snapshots, kind="snapshot")
+        if progress:
+            self._log({"op": "progress", "episodes": progress})
+        for t in snapshots:
+            self._snapshots[t.trajectory_id] = t
+        self._progress.update(progress)
+        self._counters["snapshots_put"] += len(snapshots)
+
+    def take_snapshots(self, trajectory_ids: list[str]) -> list[Trajectory]:
+        """The snapshots of those of `trajectory_ids` that began and never finished — their worker or the run died —
+        to be resumed; counts what resuming them saves and what was lost (sampled after the last snapshot)."""
+        taken, restarted, carried, lost, carried_s, lost_s = [], [], 0, 0, 0.0, 0.0
+        for tid in trajectory_ids:
+            snapshot = self._snapshots.pop(tid, None)
+            sampled, seconds = self._progress.pop(tid, (0, 0.0))
+            if snapshot is None and not sampled:
+                continue  # never started
+            kept_n = snapshot.num_sampled if snapshot is not None else 0
+            kept_s = snapshot.timings.get("episode_s", 0.0) if snapshot is not None else 0.0
+            carried, carried_s = carried + kept_n, carried_s + kept_s
+            lost, lost_s = lost + max(0, sampled - kept_n), lost_s + max(0.0, seconds - kept_s)
+            (taken if snapshot is not None else restarted).append(snapshot if snapshot is not None else tid)
+        if taken or restarted:
+            self._log({"op": "resume", "ids": [t.trajectory_id for t in taken], "restarted": restarted,
+                       "carried_tokens": carried, "lost_tokens": lost, "carried_s": carried_s, "lost_s": lost_s,
+                       "at": time.time()})
+            self._counters["episodes_resumed"] += len(taken)
+            self._counters["episodes_restarted"] += len(restarted)
+            self._counters["tokens_carried"] += carried
+            self._counters["tokens_lost"] += lost
+        return taken
 
     def take_partials(self, max_count: int | None = None) -> list[Trajectory]:
         """Hands out up to `max_count` partial trajectories (oldest first) for resumption."""
@@ -254,9 +315,11 @@ class TrajectoryStore:
             "last_batch_max_lag": max(self._last_lags, default=0),
             "last_batch_mean_lag": sum(self._last_lags) / len(self._last_lags) if self._last_lags else 0.0,
         }
+        out["running_snapshots"] = len(self._snapshots)
         for key in ("trajectories_put", "partials_put", "partials_taken", "groups_consumed",
                     "trajectories_consumed", "groups_dropped_stale", "trajectories_dropped_stale",
-                    "groups_dropped_untrainable"):
+                    "groups_dropped_untrainable", "snapshots_put", "episodes_resumed", "episodes_restarted",
+                    "tokens_carried", "tokens_lost", "resampled"):
             out[key] = self._counters[key]
         for status in Status:
             out[f"status_{status.value}"] = self._status_counts[status.value]
@@ -274,13 +337,29 @@ class TrajectoryStore:
     # --- internals ----------------------------------------------------------------------------------------------------
     def _add(self, t: Trajectory) -> None:
         group = self._groups.setdefault(t.group_id, _Group())
-        group.members.append(t)
+        replaces = t.metadata.get("replaces")
+        if replaces:  # put() checked that it names a failed member of this group
+            group.members = [t if m.trajectory_id == replaces else m for m in group.members]
+            self._counters["resampled"] += 1
+        else:
+            group.members.append(t)
         self._seen_ids.add(t.trajectory_id)
         self._status_counts[t.status.value] += 1
         self._partials.pop(t.trajectory_id, None)  # a resumed partial came back finished
-        if len(group.members) == self.config.group_size:
+        self._forget_running(t.trajectory_id)
+        if len(group.members) == self.config.group_size and not replaces:
             group.completed_at = self._seq
         self._seq += 1
+
+    def _overtaken(self, trajectory_id: str, length: int | None = None) -> bool:
+        """Whether a report about a running episode arrived after the episode's result (finished, or paused)."""
+        paused = self._partials.get(trajectory_id)
+        return trajectory_id in self._seen_ids or (paused is not None and (length is None
+                                                                          or len(paused.tokens) >= length))
+
+    def _forget_running(self, trajectory_id: str) -> None:
+        self._snapshots.pop(trajectory_id, None)
+        self._progress.pop(trajectory_id, None)
 
     def _complete_in_order(self) -> list[str]:
         complete = [(g.completed_at, gid) for gid, g in self._groups.items()
@@ -349,10 +428,11 @@ class TrajectoryStore:
             raise ValueError(f"position {position} is outside the {num_taken} batches this store handed out")
         kept = [e for e in events
                 if (e["op"] == "take" and e["batch"] < position) or (e["op"] == "drop" and e["position"] < position)
-                or e["op"] == "take_partials"]
+                or e["op"] in ("take_partials", "progress", "resume")]
         files = _shard_files(shard_dir)
         self._num_shards = len(files)
-        partial_rows: dict[str, tuple[int, Trajectory]] = {}
+        unfinished: dict[str, tuple[int, str, Trajectory]] = {}  # newest partial or snapshot row per episode
+        was_partial: set[str] = set()
         finished_at: dict[str, int] = {}
         order = 0
         for path in files:
@@ -360,17 +440,22 @@ class TrajectoryStore:
                 kind = row.pop("kind")
                 row.pop("seq")
                 t = Trajectory.from_row(row)
-                if kind == "partial":
-                    partial_rows[t.trajectory_id] = (order, t)
-                    self._counters["partials_put"] += 1
-                else:
+                if kind == "full":
                     self._add(t)
                     finished_at[t.trajectory_id] = order
                     self._counters["trajectories_put"] += 1
+                else:
+                    unfinished[t.trajectory_id] = (order, kind, t)
+                    was_partial.update([t.trajectory_id] if kind == "partial" else [])
+                    self._counters[f"{kind}s_put"] += 1
                 order += 1
-        for tid, (at, t) in sorted(partial_rows.items(), key=lambda kv: kv[1][0]):
-            if finished_at.get(tid, -1) < at:
+        for tid, (at, kind, t) in sorted(unfinished.items(), key=lambda kv: kv[1][0]):
+            if finished_at.get(tid, -1) > at:
+                continue
+            if tid in was_partial:  # a paused episode, resumed since and snapshotted on the way: paused again
                 self._partials[tid] = t
+            else:
+                self._snapshots[tid] = t
         for e in kept:
             if e["op"] == "take":
                 for g in e["groups"]:
@@ -378,6 +463,15 @@ class TrajectoryStore:
                     self._counters["groups_consumed"] += 1
                     self._counters["trajectories_consumed"] += sum(t.trainable for t in group.members)
                 self._position += 1
+            elif e["op"] == "progress":
+                self._progress.update({k: (n, s) for k, (n, s) in e["episodes"].items() if k not in self._seen_ids})
+            elif e["op"] == "resume":  # its snapshots stay: every worker is gone now, they are resumed again
+                self._counters["tokens_carried"] += e["carried_tokens"]
+                self._counters["tokens_lost"] += e["lost_tokens"]
+                self._counters["episodes_resumed"] += len(e["ids"])
+                self._counters["episodes_restarted"] += len(e["restarted"])
+                for tid in e["ids"] + e["restarted"]:  # counted as lost once
+                    self._progress.pop(tid, None)
             elif e["op"] == "drop":
                 for g in e["groups"]:
                     group = self._groups.pop(g)

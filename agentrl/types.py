@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,26 @@ class Trajectory:
         self.loss_mask.extend([1] * len(token_ids))
         self.logprobs.extend(float(x) for x in logprobs)
         self.versions.extend(versions)
+
+    def snapshot(self, env_state: bytes, *, episode_s: float) -> Trajectory:
+        """A PARTIAL copy of this running episode, taken at a turn boundary with the env's saved state and the
+        seconds it has run: what a rollout resumes from when the worker holding the episode dies."""
+        return replace(self, tokens=list(self.tokens), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
+                       versions=list(self.versions),
+                       routed_experts=None if self.routed_experts is None else self.routed_experts.copy(),
+                       reward_components=dict(self.reward_components), turns=list(self.turns),
+                       tool_calls=list(self.tool_calls), timings={**self.timings, "episode_s": episode_s},
+                       metadata=dict(self.metadata), status=Status.PARTIAL, env_state=env_state).pad_routing()
+
+    def pad_routing(self) -> Trajectory:
+        """Pads the routing to [T, L, K]: tokens the engine never ran (the last sampled one, appended glue) get −1."""
+        if self.routed_experts is not None:
+            rows = self.routed_experts[: len(self.tokens)]
+            if len(rows) < len(self.tokens):
+                pad = np.full((len(self.tokens) - len(rows), *rows.shape[1:]), -1, dtype=np.int16)
+                rows = np.concatenate([rows, pad])
+            self.routed_experts = rows
+        return self
 
     @property
     def num_sampled(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -26,11 +27,14 @@ import numpy as np
 
 from agentrl.chat import ChatFormat
 from agentrl.rollout.env_host import EnvHost, ProcessEnv, describe_exception
-from agentrl.rollout.policy_engine import PolicyEngine, SamplingSpec
+from agentrl.rollout.policy_engine import Generation, PolicyEngine, SamplingSpec
+from agentrl.rollout.snapshots import SnapshotReporter
 from agentrl.types import Boundary, Status, Trajectory, Turn
 
 
 ISOLATIONS = ("process", "thread")
+log = logging.getLogger(__name__)
+_unsavable_envs: set[str] = set()  # env ids whose state could not be saved, warned about once per process
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +51,8 @@ class RolloutConfig:
     seeded_sampling: bool = False
     chat_format: str | None = None  # agentrl.chat format name; None: detected from the checkpoint's tokenizer
     env_isolation: str = "process"  # each env instance in its own process (a timeout holds against the GIL) or thread
+    snapshots: bool = True  # with a store to report to, running episodes are snapshotted at turn boundaries
+    snapshot_interval_s: float = 1.0  # seconds between a worker's reports to the store
 
     def __post_init__(self):
         for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):
@@ -68,6 +74,13 @@ class EpisodeRequest:
     trajectory_id: str
     seed: int = 0
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    replaces: str | None = None  # the failed episode of the group this one is resampled for
+
+    def resample(self, failed_id: str, attempt: int) -> EpisodeRequest:
+        """Attempt `attempt` (1, 2, ...) at a new episode of this request's task and group, with another seed,
+        standing in for the failed `failed_id` (this request's episode or an earlier attempt)."""
+        return replace(self, trajectory_id=f"{self.trajectory_id}-r{attempt}", replaces=failed_id,
+                       seed=random.Random(f"{self.seed}-resample-{attempt}").randrange(1 << 30))
 
 
 class TokenBudget:
@@ -161,12 +174,14 @@ class AgentLoop:
         return await asyncio.wait_for(env.call(name, *args, **kwargs), self.config.env_timeout_s)
 
     async def run(self, request: EpisodeRequest, budget: TokenBudget | None = None,
-                  resume: Trajectory | None = None) -> Trajectory:
-        """Runs (or resumes) one episode; always returns a Trajectory."""
+                  resume: Trajectory | None = None, reporter: SnapshotReporter | None = None) -> Trajectory:
+        """Runs (or resumes) one episode; always returns a Trajectory. With `reporter`, the episode's progress and
+        its turn-boundary snapshots go to the trajectory store while it runs (agentrl.rollout.snapshots)."""
         budget = budget or TokenBudget(None)
         started = time.perf_counter()
         traj = resume or Trajectory(trajectory_id=request.trajectory_id, task_id="", group_id=request.group_id,
-                                    env_id=request.env_id)
+                                    env_id=request.env_id,
+                                    metadata={"replaces": request.replaces} if request.replaces else {})
         env = None
         try:
             env = await self.envs.acquire(request.env_id, request.env_kwargs)
@@ -176,7 +191,9 @@ class AgentLoop:
                 await self._env_call(env, "set_state", json.loads(resume.env_state.decode()))
                 traj.env_state = None
                 traj.status = Status.COMPLETED
-            await self._turns(env, traj, budget)
+            if reporter is not None:
+                reporter.started(traj)
+            await self._turns(env, traj, budget, reporter)
         except asyncio.TimeoutError:
             self._fail(traj, Boundary.TOOL, f"the environment did not answer within {self.config.env_timeout_s}s")
             env = self._discard(env)  # a call may still be running in it: never reuse it
@@ -186,10 +203,12 @@ class AgentLoop:
             self._fail(traj, Boundary.ENV, describe_exception(exc))
             env = self._discard(env)
         finally:
+            if reporter is not None:
+                reporter.ended(traj.trajectory_id)
             if env is not None:
                 self.envs.release(request.env_id, request.env_kwargs, env)
         traj.timings["episode_s"] = traj.timings.get("episode_s", 0.0) + time.perf_counter() - started
-        self._finish_routing(traj)
+        traj.pad_routing()
         return traj
 
     @staticmethod
@@ -209,7 +228,7 @@ class AgentLoop:
         traj.metadata.update(task_index=request.task_index, seed=request.seed, env_kwargs=request.env_kwargs,
                              turn_start=len(traj.tokens))
 
-    async def _turns(self, env, traj: Trajectory, budget: TokenBudget) -> None:
+    async def _turns(self, env, traj: Trajectory, budget: TokenBudget, reporter: SnapshotReporter | None) -> None:
         cfg = self.config
         while True:
             turn_start = traj.metadata["turn_start"]
@@ -224,9 +243,11 @@ class AgentLoop:
                 traj.env_state = json.dumps(await self._env_call(env, "get_state")).encode()
                 return
             max_tokens = budget.cap(min(room, turn_room))
-            gen = await self._generate(traj, max_tokens)
+            gen = await self._generate(traj, max_tokens, reporter)
             budget.spend(len(gen.token_ids))
             traj.append_sampled(gen.token_ids, gen.logprobs, gen.versions)
+            if reporter is not None:
+                reporter.streaming(traj.trajectory_id, None)  # the turn is in the trajectory now
             if gen.finish_reason == "abort":
                 traj.status = Status.ABORTED
                 traj.error = "generation aborted by the engine"
@@ -265,13 +286,33 @@ class AgentLoop:
             traj.turns.append(Turn(role="tool", start=start, end=len(traj.tokens),
                                    text=self.chat.tokenizer.decode(traj.tokens[start:])))
             traj.metadata["turn_start"] = len(traj.tokens)
+            if reporter is not None and reporter.snapshots:
+                await self._snapshot(env, traj, reporter)
 
-    async def _generate(self, traj: Trajectory, max_tokens: int):
+    async def _snapshot(self, env, traj: Trajectory, reporter: SnapshotReporter) -> None:
+        """Hands the reporter the episode at this turn boundary. An env whose state cannot be saved (no get_state,
+        or it raised) runs on without snapshots: it would be restarted, not resumed, if its worker died."""
+        try:
+            state = await self._env_call(env, "get_state")
+        except asyncio.TimeoutError:
+            raise  # a hanging env: the episode fails at the tool boundary, as for any call
+        except Exception as exc:
+            if traj.env_id not in _unsavable_envs:
+                _unsavable_envs.add(traj.env_id)
+                log.warning("%s cannot save its state (%s): its episodes are not snapshotted", traj.env_id,
+                            describe_exception(exc))
+            return
+        reporter.boundary(traj, json.dumps(state).encode())
+
+    async def _generate(self, traj: Trajectory, max_tokens: int, reporter: SnapshotReporter | None = None):
         seed = sampling_seed(traj.metadata.get("seed", 0), len(traj.tokens)) if self.config.seeded_sampling else None
         sampling = replace(self.config.sampling, max_tokens=max(1, max_tokens), seed=seed)
+        stream = Generation()
+        if reporter is not None:
+            reporter.streaming(traj.trajectory_id, stream)
         t0 = time.perf_counter()
         try:
-            gen = await self.engine.generate(traj.tokens, sampling, self.stop_ids)
+            gen = await self.engine.generate(traj.tokens, sampling, self.stop_ids, into=stream)
         except Exception as exc:  # any engine failure is the model boundary's
             raise _EngineError(f"{type(exc).__name__}: {exc}") from exc
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
@@ -284,17 +325,6 @@ class AgentLoop:
         traj.status = Status.FAILED
         traj.failure = boundary
         traj.error = error[:2000]
-
-    @staticmethod
-    def _finish_routing(traj: Trajectory) -> None:
-        """Pads the routing to [T, L, K]: tokens the engine never ran (the last sampled one, appended glue) get −1."""
-        if traj.routed_experts is None:
-            return
-        rows = traj.routed_experts[: len(traj.tokens)]
-        if len(rows) < len(traj.tokens):
-            pad = np.full((len(traj.tokens) - len(rows), *rows.shape[1:]), -1, dtype=np.int16)
-            rows = np.concatenate([rows, pad])
-        traj.routed_experts = rows
 
 
 class _EngineError(RuntimeError):

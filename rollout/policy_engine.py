@@ -112,8 +112,10 @@ class PolicyEngine:
                    reload_fn=_reload_agentrl if plugin else None,
                    seeded_sampling=plugin or not current_platform.is_cpu())
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int]) -> Generation:
-        """Samples one continuation of `prompt_ids`, streaming so each token's policy version is known.
+    async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int], *,
+                       into: Generation | None = None) -> Generation:
+        """Samples one continuation of `prompt_ids`, streaming so each token's policy version is known; the tokens
+        stream into `into` when given (a caller watching the turn's progress), which is returned.
 
         With routing capture, `routed_experts` covers the whole sequence the engine ran: rows 0..n−1 for the prompt
         and the sampled tokens except the last (never run through the model).
@@ -133,7 +135,7 @@ class PolicyEngine:
                                  "without agentrl's worker extension, see cpu_seeds.py)")
             params["seed"] = sampling.seed
         request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        out = Generation()
+        out = into if into is not None else Generation()
         routing: list[np.ndarray] = []
         async for chunk in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), SamplingParams(**params),
                                              request_id=request_id):

@@ -21,6 +21,7 @@ from typing import Any
 
 from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, RolloutConfig, TokenBudget
 from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine, SamplingSpec
+from agentrl.rollout.snapshots import SnapshotReporter
 from agentrl.types import Boundary, Status, Trajectory
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker:
     def __init__(self, engine_spec: EngineSpec, tokenizer_path: str, config: RolloutConfig, *,
-                 engine: PolicyEngine | None = None, version: int = 0):
+                 engine: PolicyEngine | None = None, version: int = 0, store: Any = None):
         from agentrl.chat import load_chat_format
 
         self.spec = engine_spec
@@ -39,6 +40,9 @@ class RolloutWorker:
         self.envs = EnvPool(isolation=config.env_isolation)
         self.loop = AgentLoop(engine, self.chat, config, self.envs) if engine is not None else None
         self._starting: asyncio.Lock | None = None
+        # the store actor the running RL episodes report to, for lossless resume (None: nothing is reported)
+        self.reporter = (SnapshotReporter(store, interval_s=config.snapshot_interval_s, snapshots=config.snapshots)
+                         if store is not None else None)
 
     async def _ready(self) -> PolicyEngine:
         """The engine, built on first use (inside the actor's event loop, where AsyncLLM must live)."""
@@ -51,10 +55,12 @@ class RolloutWorker:
         return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-                       token_budget: int | None = None, temperature: float | None = None) -> list[Trajectory]:
+                       token_budget: int | None = None, temperature: float | None = None,
+                       report: bool = False) -> list[Trajectory]:
         """Runs the requested episodes and continues the partial ones, all concurrently; returns every trajectory
         (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first).
-        `temperature` overrides the sampling temperature for these episodes (0: greedy, for evaluation)."""
+        `temperature` overrides the sampling temperature for these episodes (0: greedy, for evaluation); `report`
+        sends their progress and snapshots to the store while they run (RL episodes, which the store receives)."""
         await self._ready()
         budget = TokenBudget(token_budget)
         semaphore = asyncio.Semaphore(self.config.max_concurrent_episodes)
@@ -64,17 +70,13 @@ class RolloutWorker:
                                     top_k=self.config.sampling.top_k, max_tokens=self.config.sampling.max_tokens)
             loop = AgentLoop(self.engine, self.chat, replace(self.config, sampling=sampling), self.loop.envs)
 
+        reporter = self.reporter if report else None
+
         async def one(request: EpisodeRequest, resume: Trajectory | None) -> Trajectory:
             async with semaphore:
-                return await loop.run(request, budget, resume)
+                return await loop.run(request, budget, resume, reporter)
 
-        jobs = [one(r, None) for r in requests]
-        for partial in resumes or []:
-            meta = partial.metadata
-            request = EpisodeRequest(env_id=partial.env_id, task_index=meta.get("task_index", 0),
-                                     group_id=partial.group_id, trajectory_id=partial.trajectory_id,
-                                     seed=meta.get("seed", 0), env_kwargs=meta.get("env_kwargs", {}))
-            jobs.append(one(request, partial))
+        jobs = [one(r, None) for r in requests] + [one(request_of(p), p) for p in resumes or []]
         t0 = time.perf_counter()
         trajectories = await asyncio.gather(*jobs)
         self._end_if_engine_died()  # its episodes failed at the model boundary for want of an engine
@@ -120,6 +122,18 @@ class RolloutWorker:
             self.engine.shutdown()
 
 
+def request_of(partial: Trajectory) -> EpisodeRequest:
+    """The request a paused or snapshotted episode continues (the agent loop records it when the episode starts)."""
+    missing = [k for k in ("task_index", "seed", "env_kwargs") if k not in partial.metadata]
+    if missing:
+        raise ValueError(f"trajectory {partial.trajectory_id} cannot be resumed: its metadata lacks {missing} (it "
+                         "was not started by agentrl's agent loop)")
+    meta = partial.metadata
+    return EpisodeRequest(env_id=partial.env_id, task_index=meta["task_index"], group_id=partial.group_id,
+                          trajectory_id=partial.trajectory_id, seed=meta["seed"], env_kwargs=meta["env_kwargs"],
+                          replaces=meta.get("replaces"))
+
+
 def rollout_worker_actor(num_cpus: float = 1.0, num_gpus: float = 0.0, **options: Any):
     """The Ray actor class for RolloutWorker with the given resources (imported lazily: envs and tests need no Ray)."""
     import ray
@@ -135,8 +149,10 @@ class RolloutPool:
     so one broken machine cannot stall the run.
     """
 
-    def __init__(self, actor_cls, num_workers: int, args: tuple, kwargs: dict[str, Any] | None = None):
-        self.actor_cls, self.args, self.kwargs = actor_cls, args, dict(kwargs or {})
+    def __init__(self, actor_cls, num_workers: int, args: tuple, kwargs: dict[str, Any] | None = None, *,
+                 store: Any = None):
+        self.actor_cls, self.args, self.kwargs = actor_cls, args, {**(kwargs or {}), "store": store}
+        self.store = store  # the store actor: running RL episodes report to it and a rerun resumes their snapshots
         self.workers = [self._start() for _ in range(num_workers)]
         self.weights: tuple[str, int] | None = None
         self.max_trajectory_tokens: int | None = None  # the context schedule's limit, once set
@@ -160,16 +176,19 @@ class RolloutPool:
             ray.get(self.workers[index].set_max_trajectory_tokens.remote(self.max_trajectory_tokens))
 
     def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-               token_budget: int | None = None, temperature: float | None = None) -> list[tuple[int, tuple, Any]]:
-        """Starts the episodes on the workers without waiting; `collect` returns them."""
+               token_budget: int | None = None, temperature: float | None = None,
+               report: bool = False) -> list[tuple[int, tuple, Any]]:
+        """Starts the episodes on the workers without waiting; `collect` returns them. With `report` (RL episodes,
+        whose results go to the store) they report to the store while they run, and a rerun resumes them."""
         shares: list[tuple[list, list]] = [([], []) for _ in self.workers]
         for request in requests:  # a group's members go to one worker: they share the prompt prefix
             shares[_stable_hash(request.group_id) % len(shares)][0].append(request)
         for i, partial in enumerate(resumes or []):
             shares[i % len(shares)][1].append(partial)
         budget = None if token_budget is None else max(1, token_budget // len(self.workers))
-        return [(i, (reqs, parts, budget, temperature), self.workers[i].generate.remote(reqs, parts, budget,
-                                                                                      temperature))
+        report = report and self.store is not None
+        return [(i, (reqs, parts, budget, temperature, report),
+                 self.workers[i].generate.remote(reqs, parts, budget, temperature, report))
                 for i, (reqs, parts) in enumerate(shares) if reqs or parts]
 
     def collect(self, submitted: list[tuple[int, tuple, Any]]) -> list[Trajectory]:
@@ -182,6 +201,7 @@ class RolloutPool:
                 out.extend(ray.get(ref))
             except ray.exceptions.RayActorError:
                 self._replace(i)
+                args = self._resumable(args)
                 try:
                     out.extend(ray.get(self.workers[i].generate.remote(*args)))
                 except ray.exceptions.RayActorError as exc:
@@ -189,9 +209,27 @@ class RolloutPool:
                     out.extend(_failed(args[0], args[1], f"rollout worker died twice: {exc}"))
         return out
 
+    def _resumable(self, args: tuple) -> tuple:
+        """A dead worker's share, to rerun: the episodes it had snapshotted continue from their snapshots."""
+        import ray
+
+        requests, partials, budget, temperature, report = args
+        if not report:
+            return args
+        ids = [r.trajectory_id for r in requests] + [p.trajectory_id for p in partials]
+        snapshots = {t.trajectory_id: t for t in ray.get(self.store.take_snapshots.remote(ids))}
+        resumes = [snapshots.pop(p.trajectory_id, p) for p in partials]
+        fresh = [r for r in requests if r.trajectory_id not in snapshots]
+        resumes += [snapshots[r.trajectory_id] for r in requests if r.trajectory_id in snapshots]
+        if len(fresh) < len(requests):
+            log.info("rerunning a dead worker's share: %d episode(s) resume from their snapshots",
+                     len(requests) - len(fresh))
+        return fresh, resumes, budget, temperature, report
+
     def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-                 token_budget: int | None = None, temperature: float | None = None) -> list[Trajectory]:
-        return self.collect(self.submit(requests, resumes, token_budget, temperature))
+                 token_budget: int | None = None, temperature: float | None = None,
+                 report: bool = False) -> list[Trajectory]:
+        return self.collect(self.submit(requests, resumes, token_budget, temperature, report))
 
     def set_max_trajectory_tokens(self, limit: int) -> None:
         import ray
@@ -228,7 +266,8 @@ def _stable_hash(text: str) -> int:
 
 def _failed(requests: list[EpisodeRequest], partials: list[Trajectory], error: str) -> list[Trajectory]:
     out = [Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
-                      env_id=r.env_id, status=Status.FAILED, failure=Boundary.WORKER, error=error) for r in requests]
+                      env_id=r.env_id, status=Status.FAILED, failure=Boundary.WORKER, error=error,
+                      metadata={"replaces": r.replaces} if r.replaces else {}) for r in requests]
     for p in partials:
         p.status, p.failure, p.error = Status.FAILED, Boundary.WORKER, error
         out.append(p)

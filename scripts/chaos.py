@@ -3,6 +3,7 @@
     python scripts/chaos.py --faults 20                  # a synchronous run, faults of every kind, audited
     python scripts/chaos.py --faults 6 --mode async
     python scripts/chaos.py --faults 5 --compare         # and a fault-free run: do the final weights agree?
+    python scripts/chaos.py --faults 20 --no-snapshots   # interrupted episodes start over: what a kill loses then
 
 The job is the quickstart's config, shortened (a few SFT steps, small groups), on `tests/FlakyCalc-v0`: Calc-v0 where
 every 10th task's env raises, hangs, has a tool return 10 MB or ends its process. While it runs, the harness SIGKILLs,
@@ -20,7 +21,9 @@ The audit, from the run directory once the job has finished:
 - the MLflow run ended FINISHED, and no process of any attempt is left running;
 - with `--compare`: the final weights against those of the same job run without process faults.
 
-It prints a table per fault (what was killed, at which step, how the job healed, the seconds it cost) and the soak
+It prints a table per fault (what was killed, at which step, how the job healed, the seconds it cost, and what the
+episodes it interrupted carried over from their turn-boundary snapshots or lost: sampled tokens and episode-seconds,
+from the store's resume events) and the soak
 figures: faults survived, run length, and the peak resident memory of each kind of process in the first and in the
 last third of the run (growth would show there). Exit status 0 when the audit passes.
 """
@@ -78,6 +81,7 @@ class Fault:
     after_step: int  # injected once the job has printed this RL step
     delay_s: float  # and this long after
     injected_at: float = 0.0  # monotonic
+    injected_wall: float = 0.0  # time.time(), to match the store's events
     at_step: int = 0
     pid: int = 0
     healed: str = ""  # "replaced" (rollout), "restarted in place" (trainer, store), "resumed" (driver), "missed"
@@ -136,7 +140,8 @@ def process_kind(pid: int, driver: int) -> str | None:
 
 def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
     """Runs the job to its end under `faults`; returns what happened (per fault, memory, attempts, leftovers)."""
-    overrides = job_overrides(run_dir, steps=args.steps, mode=args.mode, seed=args.seed)
+    overrides = job_overrides(run_dir, steps=args.steps, mode=args.mode, seed=args.seed,
+                              extra=getattr(args, "extra", ()))
     os.makedirs(run_dir, exist_ok=True)
     log_file = open(os.path.join(run_dir, "chaos.log"), "a", buffering=1)
     started = time.monotonic()
@@ -209,7 +214,7 @@ def inject(job: Job, fault: Fault, step: int, leftovers: list) -> None:
         fault.healed = "missed"  # e.g. the engine core between a worker's death and its replacement's start
         return
     before = job.processes() if fault.kind == "driver" else []
-    fault.pid, fault.injected_at = pid, time.monotonic()
+    fault.pid, fault.injected_at, fault.injected_wall = pid, time.monotonic(), time.time()
     os.kill(pid, signal.SIGKILL)
     if fault.kind == "driver":  # what the dead driver left behind must end by itself
         job.proc.wait()
@@ -266,6 +271,30 @@ def audit(run_dir: str, overrides: list[str]) -> dict:
             "rl_steps_logged": history["time/step_s"], "sft_steps_logged": history["sft/loss"], "status": status}
 
 
+def work_lost(run_dir: str, faults: list[Fault]) -> dict[int, dict[str, float]]:
+    """Per fault (its index), what the episodes it interrupted carried over from their snapshots and what they lost
+    (tokens sampled after the last snapshot, and the seconds they took), from the store's resume events: each event
+    belongs to the latest fault injected before it."""
+    from agentrl.store import EVENTS_FILE, STORE_DIR
+
+    out = {i: {"carried_tokens": 0, "lost_tokens": 0, "lost_s": 0.0, "resumed": 0, "restarted": 0}
+           for i in range(len(faults))}
+    for line in open(os.path.join(run_dir, STORE_DIR, EVENTS_FILE)):
+        e = json.loads(line)
+        if e["op"] != "resume":
+            continue
+        before = [i for i, f in enumerate(faults) if f.injected_wall and f.injected_wall <= e["at"]]
+        if not before:
+            continue
+        lost = out[max(before, key=lambda i: faults[i].injected_wall)]
+        lost["carried_tokens"] += e["carried_tokens"]
+        lost["lost_tokens"] += e["lost_tokens"]
+        lost["lost_s"] += e["lost_s"]
+        lost["resumed"] += len(e["ids"])
+        lost["restarted"] += len(e["restarted"])
+    return out
+
+
 def final_weights(run_dir: str) -> dict:
     from safetensors.torch import load_file
 
@@ -305,7 +334,10 @@ def main() -> int:
     parser.add_argument("--run-dir", default=None, help="default: runs/chaos-<mode>-<seed>-<time>")
     parser.add_argument("--compare", action="store_true", help="also run without process faults; compare weights")
     parser.add_argument("--timeout", type=float, default=7200.0)
+    parser.add_argument("--no-snapshots", action="store_true",
+                        help="rollout.snapshots=false: interrupted episodes start over (what a kill then loses)")
     args = parser.parse_args()
+    args.extra = ("rollout.snapshots=false",) if args.no_snapshots else ()
     args.steps = args.steps or args.faults + 4
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
@@ -314,14 +346,21 @@ def main() -> int:
                                                                          f"{time.strftime('%Y%m%d-%H%M%S')}"))
     faults = schedule(args.faults, args.steps, args.seed, kinds)
     outcome = run(args, run_dir, faults)
-    overrides = job_overrides(run_dir, steps=args.steps, mode=args.mode, seed=args.seed)
+    overrides = job_overrides(run_dir, steps=args.steps, mode=args.mode, seed=args.seed, extra=args.extra)
     result = audit(run_dir, overrides)
+    lost = work_lost(run_dir, faults)
 
-    print(f"\n## chaos run: {args.mode}, seed {args.seed}, {args.steps} RL steps, {len(faults)} faults "
-          f"({run_dir})\n")
-    print("| # | fault | at RL step | healed | to the next step (s) |\n|---|---|---|---|---|")
-    for i, f in enumerate(faults, 1):
-        print(f"| {i} | {f.kind} | {f.at_step} | {f.healed or 'not seen'} | {f.recovery_s:.1f} |")
+    print(f"\n## chaos run: {args.mode}, seed {args.seed}, {args.steps} RL steps, {len(faults)} faults, snapshots "
+          f"{'off' if args.no_snapshots else 'on'} ({run_dir})\n")
+    print("| # | fault | at RL step | healed | to the next step (s) | episodes resumed / restarted | sampled tokens "
+          "carried over | sampled tokens lost | episode seconds lost |\n|---|---|---|---|---|---|---|---|---|")
+    for i, f in enumerate(faults):
+        w = lost[i]
+        print(f"| {i + 1} | {f.kind} | {f.at_step} | {f.healed or 'not seen'} | {f.recovery_s:.1f} | "
+              f"{w['resumed']} / {w['restarted']} | {w['carried_tokens']} | {w['lost_tokens']} | {w['lost_s']:.1f} |")
+    total = {k: sum(w[k] for w in lost.values()) for k in ("carried_tokens", "lost_tokens", "lost_s")}
+    print(f"\ninterrupted episodes: {total['carried_tokens']} sampled tokens carried over from snapshots, "
+          f"{total['lost_tokens']} lost ({total['lost_s']:.1f} episode-seconds)")
     survived = sum(f.healed not in ("", "missed") for f in faults)
     print(f"\nfaults survived: {survived} of {len(faults)} injected ({sum(f.healed == 'missed' for f in faults)} "
           f"found no target); attempts (driver starts): {outcome['attempts']}; run length {outcome['seconds']:.0f}s; "

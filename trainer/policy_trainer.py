@@ -95,6 +95,7 @@ class PolicyTrainer:
         if config.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.reference = None
+        self.reference_reset = False  # reset_reference made it the policy of some step (saved beside the checkpoints)
         if config.loss.kl_coef > 0:
             ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
             ref = ref.to(device=self.device, dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -215,6 +216,26 @@ class PolicyTrainer:
         ref_buffers = dict(reference.named_buffers())
         for name, b in self.policy.named_buffers():  # the routers' Quantile Balancing biases
             ref_buffers[name].copy_(b)
+        self._save_reference()
+
+    def _reference_file(self) -> str:
+        """Where the reset reference lives (`<run_dir>/reference/`, beside the checkpoints): one file (every rank holds the whole reference) or one per rank
+        (expert parallelism: each holds its experts)."""
+        name = f"reference-rank{self.rank}.safetensors" if self.ep_size > 1 else "reference.safetensors"
+        return os.path.join(self.config.run_dir, "reference", name)
+
+    def _save_reference(self) -> None:
+        """Writes the reference once it is no longer the initial weights, so that a run resumed from a later
+        checkpoint anchors its KL term to the same policy (checkpoints record that it was reset). Collective."""
+        from safetensors.torch import save_model
+
+        if self.ep_size > 1 or self.rank == 0:
+            path = self._reference_file()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_model(self.reference.policy, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        self.reference_reset = True
+        dist.barrier()
 
     def set_lr(self, lr: float) -> None:
         """The base learning rate from the next step on (the warm-up factor still applies): SFT's, then RL's."""
@@ -289,7 +310,8 @@ class PolicyTrainer:
         {"store_position": store.position}) under `<run_dir>/checkpoints/step{N}`; returns that directory."""
         root = os.path.join(self.config.run_dir, CHECKPOINT_DIR)
         tag = f"step{self.global_step}"
-        state = dict(client_state or {}, global_step=self.global_step, version=self.version)
+        state = dict(client_state or {}, global_step=self.global_step, version=self.version,
+                     reference_reset=self.reference_reset)
         # RNG first: DeepSpeed writes `latest` at the end of its save, so a crash never leaves a latest without it
         os.makedirs(os.path.join(root, tag), exist_ok=True)
         torch.save(_rng_state(), os.path.join(root, tag, f"rng_rank{self.rank}.pt"))
@@ -324,6 +346,11 @@ class PolicyTrainer:
             load_local_experts(self.policy, os.path.join(root, tag, MODEL_DIR))
         rng_file = os.path.join(root, tag, f"rng_rank{self.rank}.pt")
         _set_rng_state(torch.load(rng_file, weights_only=False))
+        if state.get("reference_reset") and self.reference is not None:  # the KL anchor the run had
+            from safetensors.torch import load_model
+
+            load_model(self.reference.policy, self._reference_file())
+            self.reference_reset = True
         return state
 
     def close(self) -> None:

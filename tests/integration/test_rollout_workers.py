@@ -4,6 +4,7 @@ die and are replaced with their episodes rerun."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -97,3 +98,42 @@ def test_a_dead_worker_is_replaced_and_its_episodes_rerun(ray_session, hybrid_di
         assert all(t.status in (Status.COMPLETED, Status.TRUNCATED) for t in again)
     finally:
         pool.shutdown()
+
+
+def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid_dir, tmp_path):
+    """Lossless resume (issue 27): the episodes a killed worker was running continue from the snapshots they
+    reported at turn boundaries, and (seeded) end on the tokens an uninterrupted run samples."""
+    import time
+
+    from agentrl.store import StoreConfig, TrajectoryStoreActor
+
+    ray = ray_session
+    config = RolloutConfig(group_size=2, sampling=SamplingSpec(temperature=1.0, max_tokens=24),
+                           max_trajectory_tokens=1024, max_concurrent_episodes=8, seeded_sampling=True,
+                           snapshot_interval_s=0.1)
+
+    def episodes(group: str) -> list[EpisodeRequest]:
+        return [replace(r, env_kwargs={"max_turns": 6}) for r in requests(6, group)]
+
+    store = TrajectoryStoreActor.remote(StoreConfig(run_dir=str(tmp_path), group_size=2))
+    pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
+                                                             hybrid_dir, config), store=store)
+    try:
+        whole = {t.trajectory_id[2:]: t for t in pool.generate(episodes("c"), report=True)}
+        assert all(t.status in (Status.COMPLETED, Status.TRUNCATED) for t in whole.values())
+        assert max(sum(x.role == "assistant" for x in t.turns) for t in whole.values()) > 1  # turn boundaries
+        ray.get(store.put.remote(list(whole.values())))  # their reports are void now
+        submitted = pool.submit(episodes("d"), report=True)
+        deadline = time.monotonic() + 120
+        while ray.get(store.stats.remote())["running_snapshots"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(pool.workers[0])
+        resumed = {t.trajectory_id[2:]: t for t in pool.collect(submitted)}
+        stats = ray.get(store.stats.remote())
+    finally:
+        pool.shutdown()
+        ray.kill(store)
+    assert pool.restarts == 1 and stats["episodes_resumed"] >= 2 and stats["tokens_carried"] > 0, stats
+    assert sorted(resumed) == sorted(whole)
+    for key, t in resumed.items():
+        assert t.status == whole[key].status and t.tokens == whole[key].tokens, key

@@ -68,6 +68,33 @@ def test_after_a_warm_start_the_kl_reference_is_the_warm_started_policy(model_di
         trainer.close()
 
 
+def test_a_resumed_run_keeps_the_warm_started_kl_reference(model_dir, tmp_path):  # noqa: F811
+    """The reference a warm start reset is saved with the run: a trainer resumed from a later checkpoint measures
+    its KL against the SFT policy, as the uninterrupted one does, not against the weights it was built from."""
+    batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
+    for t in batch:
+        t.reward = float(int(t.trajectory_id[1:]) % 2)
+        t.group_id = "g"
+    trainer = one_rank_trainer(model_dir, tmp_path, loss=LossConfig(kl_coef=0.1))
+    try:
+        for _ in range(5):
+            trainer.step(batch, LossConfig(kind="sft"))
+        trainer.reset_reference()
+        trainer.step(batch)
+        trainer.save_checkpoint({"rl_step": 1})
+        uninterrupted = trainer.step(batch)["kl"]
+    finally:
+        trainer.close()
+    resumed = one_rank_trainer(model_dir, tmp_path, loss=LossConfig(kl_coef=0.1))
+    try:
+        assert resumed.load_checkpoint()["rl_step"] == 1
+        kl = resumed.step(batch)["kl"]
+    finally:
+        resumed.close()
+    # (against the initial weights the resumed KL would be several times larger: the SFT moved the policy far)
+    assert kl == pytest.approx(uninterrupted, rel=1e-3, abs=1e-7)
+
+
 def test_mini_batches_step_several_times_against_the_recorded_pre_step_policy(model_dir, tmp_path):  # noqa: F811
     trainer = one_rank_trainer(model_dir, tmp_path, micro_batch_tokens=64, loss=LossConfig(mini_batches=2))
     try:

@@ -62,10 +62,18 @@ def test_the_driver_trains_only_on_groups_with_a_reward_spread():
                   group_ids=["a", "b"], max_lag=0)
     job, _ = load_config("configs/quickstart.yaml")
     assert job.algorithm.skip_uniform_groups
-    assert select_trainable(job, batch) == (batch.trajectories[:2], 1)
+    assert select_trainable(job, batch) == (batch.trajectories[:2], 1, 0)
     job, _ = load_config("configs/quickstart.yaml", ["algorithm.skip_uniform_groups=false"])
-    assert select_trainable(job, batch) == (batch.trajectories, 0)
-    assert select_trainable(job, None) == ([], 0)
+    assert select_trainable(job, batch) == (batch.trajectories, 0, 0)
+    assert select_trainable(job, None) == ([], 0, 0)
+    # group c lost a member (the batch holds the members that did not fail): kept, or dropped by failed_members=drop
+    short = Batch(index=0, trajectories=batch.trajectories + [traj("c", 1.0)], group_ids=["a", "b", "c"], max_lag=0)
+    for policy, kept in (("keep", short.trajectories), ("drop", batch.trajectories)):
+        job, _ = load_config("configs/quickstart.yaml", ["algorithm.skip_uniform_groups=false", "rollout.group_size=2",
+                                                         f"algorithm.failed_members={policy}"])
+        assert select_trainable(job, short) == (kept, 0, int(policy == "drop"))
+    with pytest.raises(ConfigError, match="failed_members"):
+        load_config("configs/quickstart.yaml", ["algorithm.failed_members=retry"])
 
 
 def test_env_settings_are_checked_against_the_env_before_any_actor_starts():

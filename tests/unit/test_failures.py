@@ -51,20 +51,20 @@ def test_the_group_report_says_what_trained_and_why_the_rest_did_not():
     before = {"groups_dropped_stale": 1, "groups_dropped_untrainable": 0}
     after = {"groups_dropped_stale": 3, "groups_dropped_untrainable": 1}
     trainable = [traj(0, group="a"), traj(1, group="a"), traj(2, group="b"), traj(3, group="b")]
-    report = GroupReport.of(8, object(), trainable, uniform=3, before=before, after=after)
+    report = GroupReport.of(8, object(), trainable, uniform=3, short=1, before=before, after=after)
     assert (report.trained, report.stale, report.failed) == (2, 2, 1)
-    assert str(report) == "trained 2/8 groups (3 uniform, 2 stale, 1 failed)"
-    waiting = GroupReport.of(8, None, [], uniform=0, before=before, after=before)
+    assert str(report) == "trained 2/8 groups (3 uniform, 1 short of a failed member, 2 stale, 1 failed)"
+    waiting = GroupReport.of(8, None, [], uniform=0, short=0, before=before, after=before)
     assert str(waiting) == "trained 0/8 groups (too few complete groups: they wait for the next step)"
 
 
 def test_a_step_that_trained_nothing_says_so(caplog):
     progress = Progress(first_step=0, last_step=10)
-    uniform = GroupReport(asked=4, trained=0, uniform=4, stale=0, failed=0, waiting=False)
+    uniform = GroupReport(asked=4, trained=0, uniform=4, short=0, stale=0, failed=0, waiting=False)
     with caplog.at_level(logging.INFO, logger="agentrl"):
         progress.report(1, {"rollout/reward_mean": 0.0, "rollout/success_rate": 0.0}, uniform, "", 12.0)
         progress.report(2, {"rollout/reward_mean": 0.5, "rollout/success_rate": 0.5, "eval/success_rate": 0.25},
-                        GroupReport(asked=4, trained=3, uniform=1, stale=0, failed=0, waiting=False),
+                        GroupReport(asked=4, trained=3, uniform=1, short=0, stale=0, failed=0, waiting=False),
                         "1 failed (env 1; first: KeyError)", 12.0)
     first, second = caplog.records
     assert first.levelno == logging.WARNING and first.getMessage().startswith("step 1/10: reward 0.000")
@@ -74,3 +74,46 @@ def test_a_step_that_trained_nothing_says_so(caplog):
     assert "trained 3/4 groups (1 uniform) | held-out success 0.250 | 1 failed (env 1; first: KeyError)" in \
         second.getMessage()
     assert "12s, ETA " in second.getMessage()
+
+
+def test_failed_episodes_are_resampled_into_their_groups_and_the_store_takes_them(tmp_path):
+    from agentrl.config import load_config
+    from agentrl.driver import resample_failed
+    from agentrl.rollout.agent_loop import EpisodeRequest
+    from agentrl.store import StoreConfig, TrajectoryStore
+
+    class Pool:  # the second attempt at a task succeeds
+        def __init__(self):
+            self.asked: list[list[EpisodeRequest]] = []
+
+        def generate(self, requests, report=False):
+            self.asked.append(requests)
+            out = []
+            for r in requests:
+                t = Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
+                               env_id=r.env_id, metadata={"replaces": r.replaces, "seed": r.seed})
+                t.append_sampled([1, 2], [0.0, 0.0], 0)
+                if r.trajectory_id.endswith("-r1"):
+                    t.status, t.failure = Status.FAILED, Boundary.ENV
+                out.append(t)
+            return out
+
+    requests = [EpisodeRequest(env_id="toy", task_index=3, group_id="g", trajectory_id=f"g-{i}", seed=i)
+                for i in range(2)]
+    first = [traj(0, group="g"), traj(1, Boundary.TOOL, "hung", group="g")]
+    first[0].trajectory_id, first[1].trajectory_id = "g-0", "g-1"
+    for t in first:
+        t.append_sampled([1], [0.0], 0)
+    job, _ = load_config("configs/quickstart.yaml", ["algorithm.failed_members=resample", "algorithm.max_resamples=2",
+                                                     "rollout.group_size=2"])
+    pool = Pool()
+    again = resample_failed(job, pool, first, requests)
+    assert [[r.trajectory_id for r in asked] for asked in pool.asked] == [["g-1-r1"], ["g-1-r2"]]
+    assert [t.metadata["replaces"] for t in again] == ["g-1", "g-1-r1"]
+    assert len({r.seed for asked in pool.asked for r in asked} | {1}) == 3  # new seeds
+    assert rollout_metrics(first + again)["rollout/resampled"] == 2
+    store = TrajectoryStore(StoreConfig(run_dir=str(tmp_path), group_size=2))
+    store.put(first + again)
+    assert [t.trajectory_id for t in store.take_batch(1, 0, 0).trajectories] == ["g-0", "g-1-r2"]
+    job, _ = load_config("configs/quickstart.yaml", ["algorithm.failed_members=keep"])
+    assert resample_failed(job, pool, first, requests) == []

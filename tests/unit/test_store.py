@@ -178,3 +178,102 @@ def test_held_names_what_a_resumed_run_must_not_sample_again(tmp_path):
     s.put_partial(traj("C0", "C", status=Status.PARTIAL))
     r = TrajectoryStore.open(str(tmp_path), position=0)
     assert r.held(["A0", "B1", "C0", "C1", "D0"]) == ["A0", "B1", "C0"]
+
+
+def running(tid: str, group: str, length: int = 6, routed: bool = False) -> Trajectory:
+    """A snapshot of a running episode at a turn boundary, as the rollout worker sends it."""
+    return traj(tid, group, length=length, routed=routed).snapshot(b'{"turn": 1}', episode_s=2.0)
+
+
+def test_snapshots_resume_the_newest_and_count_what_was_lost(tmp_path):
+    s = store(tmp_path)
+    s.report([running("A0", "A", length=6)], {"A0": (3, 2.0), "A1": (5, 1.5)})
+    s.report([running("A0", "A", length=9)], {"A0": (8, 4.0), "A1": (7, 2.5)})
+    taken = s.take_snapshots(["A0", "A1", "B0"])  # B0 never started
+    assert [(t.trajectory_id, len(t.tokens), t.status) for t in taken] == [("A0", 9, Status.PARTIAL)]
+    # A0 carried its 6 sampled tokens and lost the 2 sampled after its snapshot; A1 had no snapshot: all 7 lost
+    stats = s.stats()
+    assert (stats["tokens_carried"], stats["tokens_lost"]) == (6, 9)
+    assert (stats["episodes_resumed"], stats["episodes_restarted"]) == (1, 1)
+    assert s.take_snapshots(["A0", "A1"]) == []  # handed out once
+    event = [json.loads(line) for line in open(tmp_path / "store" / "events.jsonl")][-1]
+    assert event["op"] == "resume" and event["ids"] == ["A0"] and event["restarted"] == ["A1"]
+    assert event["lost_s"] == pytest.approx((4.0 - 2.0) + 2.5)
+
+
+def test_a_report_overtaken_by_the_result_is_ignored(tmp_path):
+    s = store(tmp_path)
+    s.put(traj("A0", "A"))
+    s.put_partial(traj("B0", "B", status=Status.PARTIAL, length=9))
+    s.report([running("A0", "A"), running("B0", "B", length=7)], {"A0": (3, 1.0), "B0": (4, 1.0)})
+    assert s.take_snapshots(["A0", "B0"]) == [] and s.stats()["tokens_lost"] == 0
+    s.report([running("C0", "C")], {"C0": (3, 1.0)})
+    s.put(traj("C0", "C"))  # finished after its snapshot: nothing to resume
+    assert s.take_snapshots(["C0"]) == [] and s.stats()["running_snapshots"] == 0
+
+
+def test_snapshots_survive_a_restart_and_are_resumed_there(tmp_path):
+    s = store(tmp_path)
+    _fill(s, "A")
+    s.report([running("B0", "B", routed=True)], {"B0": (3, 2.0)})
+    s.put_partial(traj("P0", "P", status=Status.PARTIAL))
+    s.take_partials()
+    s.report([running("P0", "P", length=9)], {"P0": (6, 3.0)})  # the resumed partial got further
+    s.report([running("C0", "C")], {})
+    s.put(traj("C0", "C"))
+    r = TrajectoryStore.open(str(tmp_path), position=0)
+    (b0,) = r.take_snapshots(["B0", "C0"])
+    assert b0.tokens == running("B0", "B").tokens and b0.env_state == b'{"turn": 1}'
+    assert b0.routed_experts.shape == (6, 2, 2) and b0.timings["episode_s"] == 2.0
+    (p0,) = r.take_partials()  # a partial resumed and snapshotted since: paused again at its newest state
+    assert len(p0.tokens) == 9
+    assert r.stats()["tokens_carried"] == 3
+
+
+def test_resume_counts_a_loss_once_across_restarts(tmp_path):
+    s = store(tmp_path)
+    s.report([running("A0", "A")], {"A0": (5, 3.0)})
+    s.take_snapshots(["A0"])  # the worker died: 2 tokens lost
+    r = TrajectoryStore.open(str(tmp_path))  # then the run died before A0 reported again
+    assert r.stats()["tokens_lost"] == 2
+    r.take_snapshots(["A0"])
+    assert r.stats()["tokens_lost"] == 2 and r.stats()["tokens_carried"] == 6
+
+
+def test_a_snapshot_must_be_partial_with_its_env_state(tmp_path):
+    s = store(tmp_path)
+    with pytest.raises(ValueError, match="PARTIAL with its env state"):
+        s.report([traj("A0", "A")], {})
+
+
+def stand_in(failed_id: str, group: str, tid: str) -> Trajectory:
+    """A resampled member (algorithm.failed_members=resample) standing in for `failed_id`."""
+    t = traj(tid, group, reward=0.0)
+    t.metadata["replaces"] = failed_id
+    return t
+
+
+def test_a_resampled_member_takes_the_failed_ones_place_and_survives_a_restart(tmp_path):
+    s = store(tmp_path)
+    s.put([traj("A0", "A"), traj("A1", "A", status=Status.FAILED), stand_in("A1", "A", "A1-r1")])
+    batch = s.take_batch(1, 0, 0)
+    assert [t.trajectory_id for t in batch.trajectories] == ["A0", "A1-r1"]  # a full group again
+    assert s.stats()["resampled"] == 1 and s.stats()["status_failed"] == 1
+    s.put([traj("B0", "B", status=Status.FAILED), traj("B1", "B"), stand_in("B0", "B", "B0-r1")])
+    r = TrajectoryStore.open(str(tmp_path), position=1)
+    assert [t.trajectory_id for t in r.take_batch(1, 0, 0).trajectories] == ["B0-r1", "B1"]
+    assert [e["op"] for e in map(json.loads, open(tmp_path / "store" / "events.jsonl"))].count("take") == 2
+
+
+def test_a_stand_in_must_replace_a_failed_member_of_its_own_group(tmp_path):
+    s = store(tmp_path)
+    s.put([traj("A0", "A"), traj("A1", "A", status=Status.FAILED)])
+    for bad, why in ((stand_in("A0", "A", "x"), "A0"), (stand_in("A1", "B", "y"), "A1"),
+                     (stand_in("Z9", "A", "z"), "Z9")):
+        with pytest.raises(ValueError, match=f"replaces {why}, which is not a failed member"):
+            s.put(bad)
+    failed_again = stand_in("A1", "A", "A1-r1")
+    failed_again.status, failed_again.failure = Status.FAILED, Boundary.ENV
+    s.put([failed_again, stand_in("A1-r1", "A", "A1-r2")])  # a stand-in that failed: replaced again
+    assert [t.trajectory_id for t in s.take_batch(1, 0, 0).trajectories] == ["A0", "A1-r2"]
+    assert s.stats()["resampled"] == 2

@@ -38,7 +38,7 @@ class ScriptedEngine:
     def __init__(self, chat):
         self.chat = chat
 
-    async def generate(self, prompt_ids, sampling, stop_token_ids):
+    async def generate(self, prompt_ids, sampling, stop_token_ids, into=None):
         task = self.chat.tokenizer.decode(prompt_ids).split("Run the probe with ")[-1]  # the system prompt is before
         if "<tool_response>" in task:
             reply = "<answer>done</answer>"
