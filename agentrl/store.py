@@ -3,7 +3,8 @@
 Rollout workers `put` finished trajectories (a whole GRPO group at once or one by one) and `put_partial` the ones
 an iteration's token budget paused; while episodes run, their workers `report` snapshots taken at turn boundaries and
 how far each episode has got (agentrl.rollout.snapshots), so that an episode whose worker or run died resumes from
-its last snapshot (`take_snapshots`) instead of starting over; the driver asks `take_batch(num_groups, current_version, max_staleness)` for
+its last snapshot (`take_snapshots`) instead of starting over; the driver asks
+`take_batch(num_groups, current_version, max_staleness)` for
 training data. The store hands out *complete* groups only (all `group_size` members arrived), oldest first in the
 order they completed, and only their trainable members (completed or truncated, with sampled tokens).
 
@@ -224,13 +225,16 @@ class TrajectoryStore:
         for tid in trajectory_ids:
             snapshot = self._snapshots.pop(tid, None)
             sampled, seconds = self._progress.pop(tid, (0, 0.0))
-            if snapshot is None and not sampled:
+            if snapshot is not None:
+                taken.append(snapshot)
+                kept_n, kept_s = snapshot.num_sampled, snapshot.timings.get("episode_s", 0.0)
+            elif sampled:  # it began, and no snapshot kept anything: it starts over
+                restarted.append(tid)
+                kept_n, kept_s = 0, 0.0
+            else:
                 continue  # never started
-            kept_n = snapshot.num_sampled if snapshot is not None else 0
-            kept_s = snapshot.timings.get("episode_s", 0.0) if snapshot is not None else 0.0
             carried, carried_s = carried + kept_n, carried_s + kept_s
             lost, lost_s = lost + max(0, sampled - kept_n), lost_s + max(0.0, seconds - kept_s)
-            (taken if snapshot is not None else restarted).append(snapshot if snapshot is not None else tid)
         if taken or restarted:
             self._log({"op": "resume", "ids": [t.trajectory_id for t in taken], "restarted": restarted,
                        "carried_tokens": carried, "lost_tokens": lost, "carried_s": carried_s, "lost_s": lost_s,
@@ -446,7 +450,8 @@ class TrajectoryStore:
                     self._counters["trajectories_put"] += 1
                 else:
                     unfinished[t.trajectory_id] = (order, kind, t)
-                    was_partial.update([t.trajectory_id] if kind == "partial" else [])
+                    if kind == "partial":
+                        was_partial.add(t.trajectory_id)
                     self._counters[f"{kind}s_put"] += 1
                 order += 1
         for tid, (at, kind, t) in sorted(unfinished.items(), key=lambda kv: kv[1][0]):

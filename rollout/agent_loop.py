@@ -240,7 +240,7 @@ class AgentLoop:
                 return
             if budget.exhausted:
                 traj.status = Status.PARTIAL
-                traj.env_state = json.dumps(await self._env_call(env, "get_state")).encode()
+                traj.env_state = await self._saved_state(env)
                 return
             max_tokens = budget.cap(min(room, turn_room))
             gen = await self._generate(traj, max_tokens, reporter)
@@ -293,7 +293,7 @@ class AgentLoop:
         """Hands the reporter the episode at this turn boundary. An env whose state cannot be saved (no get_state,
         or it raised) runs on without snapshots: it would be restarted, not resumed, if its worker died."""
         try:
-            state = await self._env_call(env, "get_state")
+            state = await self._saved_state(env)
         except asyncio.TimeoutError:
             raise  # a hanging env: the episode fails at the tool boundary, as for any call
         except Exception as exc:
@@ -302,7 +302,11 @@ class AgentLoop:
                 log.warning("%s cannot save its state (%s): its episodes are not snapshotted", traj.env_id,
                             describe_exception(exc))
             return
-        reporter.boundary(traj, json.dumps(state).encode())
+        reporter.boundary(traj, state)
+
+    async def _saved_state(self, env) -> bytes:
+        """The env's episode state, as a paused or snapshotted trajectory carries it (`set_state` restores it)."""
+        return json.dumps(await self._env_call(env, "get_state")).encode()
 
     async def _generate(self, traj: Trajectory, max_tokens: int, reporter: SnapshotReporter | None = None):
         seed = sampling_seed(traj.metadata.get("seed", 0), len(traj.tokens)) if self.config.seeded_sampling else None
