@@ -178,7 +178,7 @@ class AlgorithmConfig:
     # (a new seed, up to max_resamples times) so the group trains at full size; "keep" trains it on the members that
     # did not fail; "drop" leaves the whole group out. A failed episode never enters the loss or the group baseline.
     failed_members: str = "keep"
-    max_resamples: int = 1
+    max_resamples: int = 1  # how often one failed member is run again under "resample" (then the group keeps it out)
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):

@@ -330,13 +330,17 @@ class TrajectoryStore:
         return out
 
     @staticmethod
-    def read_trajectories(run_dir: str) -> datasets.Dataset:
-        """Every row persisted under `run_dir` (full and partial, in arrival order) as a `datasets.Dataset`."""
+    def read_trajectories(run_dir: str, kinds: tuple[str, ...] = ("full", "partial")) -> datasets.Dataset:
+        """The rows persisted under `run_dir` whose kind is in `kinds`, in arrival order, as a `datasets.Dataset`.
+
+        The default is the episodes' results (finished and paused); "snapshot" rows are the running episodes'
+        turn-boundary copies kept for resume, stand-ins that a later full or partial row of the same id supersedes."""
         shard_dir = os.path.join(run_dir, STORE_DIR, SHARD_DIR)
         files = _shard_files(shard_dir)
         if not files:
             return datasets.Dataset.from_list([], features=ROW_FEATURES)
-        return datasets.concatenate_datasets([datasets.Dataset(pq.read_table(f)) for f in files])
+        rows = datasets.concatenate_datasets([datasets.Dataset(pq.read_table(f)) for f in files])
+        return rows.filter(lambda kind: kind in kinds, input_columns="kind")
 
     # --- internals ----------------------------------------------------------------------------------------------------
     def _add(self, t: Trajectory) -> None:

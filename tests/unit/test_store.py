@@ -201,6 +201,16 @@ def test_snapshots_resume_the_newest_and_count_what_was_lost(tmp_path):
     assert event["lost_s"] == pytest.approx((4.0 - 2.0) + 2.5)
 
 
+def test_reading_a_run_gives_results_unless_snapshots_are_asked_for(tmp_path):
+    s = store(tmp_path)
+    s.report([running("A0", "A", length=6)], {"A0": (3, 2.0)})
+    s.put([traj("A0", "A"), traj("A1", "A")])
+    s.put_partial(traj("B0", "B", status=Status.PARTIAL, length=9))
+    assert TrajectoryStore.read_trajectories(str(tmp_path))["kind"] == ["full", "full", "partial"]
+    everything = TrajectoryStore.read_trajectories(str(tmp_path), kinds=("full", "partial", "snapshot"))
+    assert sorted(everything["kind"]) == ["full", "full", "partial", "snapshot"]
+
+
 def test_a_report_overtaken_by_the_result_is_ignored(tmp_path):
     s = store(tmp_path)
     s.put(traj("A0", "A"))
