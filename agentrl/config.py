@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from agentrl.rollout.config import RolloutConfig
 from agentrl.store import StoreConfig
 from agentrl.tracking import TrackingConfig
 from agentrl.trainer.config import TrainerConfig
@@ -90,57 +91,6 @@ class EnvConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineConfig:
-    dtype: str = "float32"  # fp32 is ~3x faster than bf16 on AVX2 CPUs
-    max_model_len: int = 4096  # the engine's context window, prompt and completions together
-    kv_cache_mb: int = 256  # memory the engine reserves for KV cache and linear-attention states
-    implementation: str = "auto"  # "agentrl" plugin, "upstream" vLLM (GPU), "auto"
-
-    def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"rollout.engine.dtype={self.dtype!r} must be float32, bfloat16 or float16")
-        if self.implementation not in ("auto", "agentrl", "upstream"):
-            raise ValueError(f"rollout.engine.implementation={self.implementation!r} must be auto/agentrl/upstream")
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutJobConfig:
-    num_workers: int = 1  # rollout workers, one vLLM engine each
-    group_size: int = 4  # samples per task (a GRPO group)
-    groups_per_step: int = 8  # tasks per training step
-    temperature: float = 1.0  # sampling temperature (the trainer scores log-probs at the same one)
-    top_p: float = 1.0  # nucleus sampling mass
-    max_tokens_per_turn: int = 128  # sampled tokens per assistant turn
-    max_trajectory_tokens: int = 2048  # the initial context limit; algorithm.context_schedule raises it
-    env_timeout_s: float = 30.0  # one env step (a tool call) may take this long before the episode fails
-    # "process": each env instance runs in a process of its own, killed when a call overruns env_timeout_s (a tool
-    # that holds the GIL cannot freeze the worker); "thread": in the worker, cheaper, but such a tool can
-    env_isolation: str = "process"
-    max_concurrent_episodes: int = 64  # episodes in flight per worker
-    token_budget: int | None = None  # sampled tokens per iteration; unfinished episodes become partial
-    seeded_sampling: bool = False  # per-episode sampling streams: a sync run with the same seed repeats (agent_loop.py)
-    # running episodes are snapshotted at turn boundaries into the store, so an episode whose worker or run dies
-    # resumes where it stood instead of starting over (rollout/snapshots.py); off, only what a kill loses is counted
-    snapshots: bool = True
-    snapshot_interval_s: float = 1.0  # seconds between a worker's reports to the store (snapshots and progress)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-    def __post_init__(self):
-        for name in ("num_workers", "group_size", "groups_per_step", "max_tokens_per_turn", "max_trajectory_tokens",
-                     "max_concurrent_episodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
-        if not 0 < self.top_p <= 1 or self.temperature <= 0:
-            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 and top_p={self.top_p} in (0, 1]")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError(f"rollout.token_budget={self.token_budget} must be None or >= 1")
-        if self.env_isolation not in ("process", "thread"):
-            raise ValueError(f"rollout.env_isolation={self.env_isolation!r} must be 'process' or 'thread'")
-        if self.snapshot_interval_s <= 0:
-            raise ValueError(f"rollout.snapshot_interval_s={self.snapshot_interval_s} must be > 0")
-
-
-@dataclass(kw_only=True, slots=True)
 class ContextStage:
     """From `start_step` on, trajectories may grow to `max_trajectory_tokens` (e.g. 8K → 64K → 256K → 1M)."""
 
@@ -177,7 +127,7 @@ class AlgorithmConfig:
     # a group some of whose episodes failed: "resample" runs each failed one again as a new episode of the same task
     # (a new seed, up to max_resamples times) so the group trains at full size; "keep" trains it on the members that
     # did not fail; "drop" leaves the whole group out. A failed episode never enters the loss or the group baseline.
-    failed_members: str = "keep"
+    failed_members: str = "resample"
     max_resamples: int = 1  # how often one failed member is run again under "resample" (then the group keeps it out)
 
     def __post_init__(self):
@@ -244,7 +194,7 @@ class JobConfig:
     seed: int = 0  # the tasks each step draws and the engine's sampling
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    rollout: RolloutJobConfig = field(default_factory=RolloutJobConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     # load_config ties trainer.run_dir to run_dir and trainer.temperature to rollout.temperature
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(run_dir="runs/agentrl"))

@@ -2,7 +2,7 @@
 
 The typed dataclasses are the schema and their source is the documentation: a field is described by its class
 docstring's ``Args:`` entry (``TrainerConfig``, ``LossConfig``) or else by the comment on its line or on the lines just
-above it (``RolloutJobConfig``). Reading them here keeps one description per key instead of a second copy that
+above it (``RolloutConfig``). Reading them here keeps one description per key instead of a second copy that
 drifts; `tests/unit/test_config_show.py` fails when a key has none.
 """
 

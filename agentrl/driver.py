@@ -30,11 +30,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.config import ConfigError, JobConfig, check_checkpoint, check_env
-from agentrl.failures import ActorLost, EnvCodeError, FailureWatch, JobFailed, describe_failures, first_line
+from agentrl.failures import (ActorLost, EnvCodeError, FailureWatch, JobFailed, describe_failures, first_line,
+                              lost_actor)
 from agentrl.interrupt import JobInterrupted, StopRequest
-from agentrl.reward import drop_uniform_groups
-from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
-from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
+from agentrl.rollout.agent_loop import EpisodeRequest, prefix_cache_stats
+from agentrl.rollout.policy_engine import EngineSpec
 from agentrl.tracking import Tracker
 from agentrl.trainer.losses import LossConfig
 from agentrl.types import Boundary, Status, Trajectory
@@ -68,10 +68,10 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
                 restarts += 1
                 _append_error_log(job.run_dir, f"restart {restarts}")
                 if restarts > job.cluster.max_restarts:
-                    raise JobFailed(f"{first_line(exc)}; the job restarted {job.cluster.max_restarts} time(s) from "
+                    raise JobFailed(f"{lost_actor(exc)}; the job restarted {job.cluster.max_restarts} time(s) from "
                                     "its last checkpoint already (cluster.max_restarts)") from exc
                 tracker.set_tag("agentrl.restarts", restarts)
-                log.warning("%s: restarting from the last checkpoint (restart %d of at most %d)", first_line(exc),
+                log.warning("%s: restarting from the last checkpoint (restart %d of at most %d)", lost_actor(exc),
                             restarts, job.cluster.max_restarts)
     except JobInterrupted:
         tracker.finish("KILLED")
@@ -115,16 +115,16 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
                                    call_timeout_s=job.cluster.trainer_timeout_s)
     actors.callback(trainer.shutdown)
     # a checkpoint before phases existed is an RL one; a fresh run starts with the warm start (when it has one)
-    state = (on_all(trainer, "load_checkpoint") if resume
+    state = (trainer.load_checkpoint() if resume
              else {"global_step": 0, "store_position": 0, "phase": "sft" if job.algorithm.sft_steps else "rl"})
     tracker.log_missing(state.get("pending_metrics", []))  # killed between its checkpoint and its log
     metrics_log = PendingMetrics(tracker)
     store = TrajectoryStoreActor.remote(job.store_config(), resume=resume, position=state.get("store_position"))
     actors.callback(ray.kill, store)
-    weights = on_all(trainer, "publish_weights")
+    weights = trainer.publish_weights()
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus, num_gpus=job.cluster.rollout_gpus),
-                       job.rollout.num_workers, (engine_spec(job, weights.path), policy_dir, rollout_config(job)),
-                       {"version": weights.version}, store=store)
+                       job.rollout.num_workers, (engine_spec(job, weights.path), policy_dir, job.rollout),
+                       {"version": weights.version, "chat_format": job.model.chat_format}, store=store)
     actors.callback(pool.shutdown)
     sampler = TaskSampler(job)
     step = state.get("rl_step", 0)
@@ -134,7 +134,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     if state.get("phase", "rl") == "sft":
         weights = warm_start(job, trainer, metrics_log, pool, sampler, stop, first_step=state.get("sft_step", 0) + 1)
         pool.update_weights(weights.path, weights.version)
-        on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "rl", **metrics_log.state()})
+        trainer.save_checkpoint({"store_position": 0, "rl_step": 0, "phase": "rl", **metrics_log.state()})
         metrics_log.flush()  # SFT is done
     if not rl:
         return {}
@@ -146,14 +146,15 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         limit_at = job.algorithm.max_trajectory_tokens(at_step, job.rollout.max_trajectory_tokens)
         pool.set_max_trajectory_tokens(limit_at)
         requests = sampler.requests(at_step)
-        held = set(ray.get(store.held.remote([r.trajectory_id for r in requests])))
-        fresh = [r for r in requests if r.trajectory_id not in held]
+        held = ray.get(store.held.remote([r.trajectory_id for r in requests]))
+        done = ray.get(store.held_results.remote(held)) if held else []  # the step's metrics count them
+        fresh = [r for r in requests if r.trajectory_id not in set(held)]
         resumed = ray.get(store.take_snapshots.remote([r.trajectory_id for r in fresh]))
         running = {t.trajectory_id for t in resumed}
         fresh = [r for r in fresh if r.trajectory_id not in running]
         # with the policy version serving when they start (async: one behind the one trained meanwhile)
         return pool.submit(fresh, ray.get(store.take_partials.remote()) + resumed, job.rollout.token_budget,
-                           report=True), weights.version
+                           report=True), weights.version, done
 
     if step == 0:  # a resumed run evaluated when it started (and at its eval_every steps)
         metrics_log.add(step, evaluate(pool, job, sampler))
@@ -164,26 +165,31 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     while step < job.algorithm.steps:
         t_step = time.perf_counter()
         limit = job.algorithm.max_trajectory_tokens(step, job.rollout.max_trajectory_tokens)
-        pending, submitted_version = in_flight
-        trajectories = pool.collect(pending)                                              # rollout
-        trajectories += resample_failed(job, pool, trajectories, sampler.requests(step))  # top groups up
+        pending, submitted_version, held = in_flight
+        sampled = pool.collect(pending)                                                   # rollout
+        sampled += resample_failed(job, pool, sampled, sampler.requests(step))            # top groups up
         rollout_s = time.perf_counter() - t_step
-        ray.get(store.put.remote([t for t in trajectories if t.status != Status.PARTIAL]))  # store
-        ray.get(store.put_partial.remote([t for t in trajectories if t.status == Status.PARTIAL]))
+        ray.get(store.put.remote([t for t in sampled if t.status != Status.PARTIAL]))       # store
+        ray.get(store.put_partial.remote([t for t in sampled if t.status == Status.PARTIAL]))
+        trajectories = held + sampled  # the step's episodes: a redone step's include those finished before a kill
         dropped_before = ray.get(store.stats.remote())
         # sync: the step's episodes are all back, so what is complete trains now (a group whose every member failed
-        # was dropped); async: wait for a full batch
-        batch = ray.get(store.take_batch.remote(job.rollout.groups_per_step, weights.version,
-                                                job.algorithm.max_staleness,
-                                                min_groups=1 if job.algorithm.mode == "sync" else None))
+        # was dropped); async: wait for a full batch. The batch goes from the store to the trainer ranks by
+        # reference; the driver sees which groups train
+        selected, batch = store.take_training_batch.options(num_returns=2).remote(
+            job.rollout.groups_per_step, weights.version, job.algorithm.max_staleness,
+            min_groups=1 if job.algorithm.mode == "sync" else None,
+            skip_uniform_groups=job.algorithm.skip_uniform_groups,
+            drop_short_groups=job.algorithm.failed_members == "drop")
+        selected = ray.get(selected)
         if job.algorithm.mode == "async" and step + 1 < job.algorithm.steps:               # next rollout, now
             in_flight = submit_rollout(step + 1)
-        trainable, uniform, short = select_trainable(job, batch)
         t_train = time.perf_counter()
-        train = on_all(trainer, "step", trainable) if trainable else {}                     # train
+        train = trainer.step(batch) if selected.trajectories else {}                        # train
         train_s = time.perf_counter() - t_train
-        if trainable:
-            weights = on_all(trainer, "publish_weights")                                    # publish
+        del batch  # the object store frees the batch once the ranks have it
+        if selected.trajectories:
+            weights = trainer.publish_weights()                                             # publish
             t_sync = time.perf_counter()
             pool.update_weights(weights.path, weights.version)                              # sync
             sync_s = time.perf_counter() - t_sync
@@ -193,10 +199,9 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
             in_flight = submit_rollout(step)
         store_stats = ray.get(store.stats.remote())
-        groups = GroupReport.of(job.rollout.groups_per_step, batch, trainable, uniform, short, dropped_before,
-                                store_stats)
+        groups = GroupReport.of(job.rollout.groups_per_step, selected, dropped_before, store_stats)
         metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
-                   "train/uniform_groups": uniform, "train/short_groups_dropped": short,
+                   "train/uniform_groups": selected.uniform, "train/short_groups_dropped": selected.short,
                    "train/groups_trained": groups.trained,
                    **{f"store/{k}": v for k, v in store_stats.items()},
                    "policy_version": weights.version, "rollout/submitted_version": submitted_version,
@@ -212,8 +217,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
         if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps or stopping:
             position = ray.get(store.stats.remote())["position"]
-            on_all(trainer, "save_checkpoint", {"store_position": int(position), "rl_step": step, "phase": "rl",
-                                                **metrics_log.state()})
+            trainer.save_checkpoint({"store_position": int(position), "rl_step": step, "phase": "rl",
+                                     **metrics_log.state()})
             metrics_log.flush(log_s=time.perf_counter() - t_log)                                # log
         progress.report(step, metrics, groups, describe_failures(trajectories), time.perf_counter() - t_step)
         if stopping:
@@ -252,12 +257,12 @@ class GroupReport:
     waiting: bool  # fewer complete groups than asked: no batch this step, they wait in the store
 
     @classmethod
-    def of(cls, asked: int, batch, trainable: list[Trajectory], uniform: int, short: int, before: dict[str, float],
-           after: dict[str, float]) -> GroupReport:
-        return cls(asked=asked, trained=len({t.group_id for t in trainable}), uniform=uniform, short=short,
+    def of(cls, asked: int, selected, before: dict[str, float], after: dict[str, float]) -> GroupReport:
+        """From the store's Selection of the step's batch and its stats before and after taking it."""
+        return cls(asked=asked, trained=len(selected.group_ids), uniform=selected.uniform, short=selected.short,
                    stale=int(after["groups_dropped_stale"] - before["groups_dropped_stale"]),
                    failed=int(after["groups_dropped_untrainable"] - before["groups_dropped_untrainable"]),
-                   waiting=batch is None)
+                   waiting=not selected.taken)
 
     def __str__(self) -> str:
         reasons = [f"{n} {why}" for n, why in ((self.uniform, "uniform"), (self.short, "short of a failed member"),
@@ -295,21 +300,6 @@ def _duration(seconds: float) -> str:
         f"{seconds:.0f}s"
 
 
-def select_trainable(job: JobConfig, batch) -> tuple[list[Trajectory], int, int]:
-    """The batch's trajectories to train on, how many of its groups were left out for equal rewards, and how many
-    because a member failed (algorithm.failed_members=drop; the batch holds only the members that did not)."""
-    if batch is None:
-        return [], 0, 0
-    trajectories, short = batch.trajectories, 0
-    if job.algorithm.failed_members == "drop":
-        size = Counter(t.group_id for t in trajectories)
-        trajectories = [t for t in trajectories if size[t.group_id] == job.rollout.group_size]
-        short = sum(n < job.rollout.group_size for n in size.values())
-    if not job.algorithm.skip_uniform_groups:
-        return trajectories, 0, short
-    return (*drop_uniform_groups(trajectories), short)
-
-
 def resample_failed(job: JobConfig, pool, trajectories: list[Trajectory],
                     requests: list[EpisodeRequest]) -> list[Trajectory]:
     """Tops up the step's groups (algorithm.failed_members=resample): each failed episode is run again as a new episode
@@ -341,33 +331,6 @@ def resample_failed(job: JobConfig, pool, trajectories: list[Trajectory],
         out += again
         failed = [t for t in again if t.status == Status.FAILED]
     return out
-
-
-def on_all(group, method: str, *args):
-    """Calls `method` on every trainer rank (they take part in the same collectives); returns rank 0's answer.
-
-    A rank that dies, or a call that outlasts `group.call_timeout_s`, raises ActorLost at once: the other ranks would
-    wait in their collectives for the missing one (up to trainer.dist_timeout_s), so waiting for rank 0 first would
-    hang the driver as long."""
-    import ray
-
-    if args and isinstance(args[0], list):
-        args = (ray.put(args[0]), *args[1:])  # one copy in the object store for all ranks
-    refs = [getattr(rank, method).remote(*args) for rank in group.ranks]
-    timeout = group.call_timeout_s
-    deadline = None if timeout is None else time.monotonic() + timeout
-    waiting = list(refs)
-    while waiting:
-        done, waiting = ray.wait(waiting, num_returns=1,
-                                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if not done:
-            raise ActorLost(f"trainer rank(s) {sorted(refs.index(r) for r in waiting)} did not finish {method} "
-                            f"within cluster.trainer_timeout_s={timeout:g}s")
-        try:
-            ray.get(done[0])
-        except ray.exceptions.RayActorError as exc:
-            raise ActorLost(f"trainer rank {refs.index(done[0])} died during {method}: {first_line(exc)}") from exc
-    return ray.get(refs[0])
 
 
 class PendingMetrics:
@@ -430,17 +393,6 @@ def engine_spec(job: JobConfig, weights_path: str) -> EngineSpec:
                       return_routed_experts=job.trainer.routing_replay)
 
 
-def rollout_config(job: JobConfig) -> RolloutConfig:
-    r = job.rollout
-    return RolloutConfig(group_size=r.group_size, max_trajectory_tokens=r.max_trajectory_tokens,
-                         env_timeout_s=r.env_timeout_s, env_isolation=r.env_isolation,
-                         max_concurrent_episodes=r.max_concurrent_episodes,
-                         seeded_sampling=r.seeded_sampling, chat_format=job.model.chat_format,
-                         snapshots=r.snapshots, snapshot_interval_s=r.snapshot_interval_s,
-                         sampling=SamplingSpec(temperature=r.temperature, top_p=r.top_p,
-                                               max_tokens=r.max_tokens_per_turn))
-
-
 class TaskSampler:
     """Which tasks each step trains on (seeded: a resumed run draws the same ones) and the held-out eval tasks."""
 
@@ -497,6 +449,11 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str = "rollout") -> 
             for k, v in t.reward_components.items():
                 components.setdefault(k, []).append(v)
         out.update({f"{prefix}/reward/{k}": sum(v) / len(v) for k, v in components.items()})
+        cache = prefix_cache_stats(trajectories)
+        if cache["prompt_tokens"]:  # the share of prompt tokens vLLM's prefix cache served
+            out[f"{prefix}/prefix_cache_hit_rate"] = cache["cached_tokens"] / cache["prompt_tokens"]
+        if cache["reusable_tokens"]:  # turn 2 on: the share of the episode's earlier tokens not computed again
+            out[f"{prefix}/prefix_reuse"] = cache["reused_tokens"] / cache["reusable_tokens"]
         sampled = sum(t.num_sampled for t in trajectories)
         generate_s = max((t.timings.get("generate_s", 0.0) for t in trajectories), default=0.0)
         out[f"{prefix}/sampled_tokens"] = sampled
@@ -537,7 +494,7 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
         rng.randrange(job.env.train_tasks)
     sft = LossConfig(kind="sft")
     if algo.sft_lr is not None:
-        on_all(trainer, "set_lr", algo.sft_lr)
+        trainer.set_lr(algo.sft_lr)
     # the engine's first generation (its start-up and compilation, ~40 s on the CPU) overlaps the first SFT steps
     # instead of stalling the first check
     warmup = pool.submit(sampler.eval_requests(), temperature=0.0) if algo.sft_target_success is not None else None
@@ -552,13 +509,13 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             except Exception as exc:  # the env's own code: its reset, oracle or step
                 raise JobFailed(f"the SFT warm start plays {job.env.id}'s oracle and it raised on task {i}: "
                                 f"{first_line(exc)} (algorithm.sft_steps=0 trains without a warm start)") from exc
-        metrics = {f"sft/{k}": v for k, v in on_all(trainer, "step", batch, sft).items()}
+        metrics = {f"sft/{k}": v for k, v in trainer.step(batch, sft).items()}
         reached = False
         if algo.sft_target_success is not None and step % algo.sft_eval_every == 0 and step < algo.sft_steps:
             if warmup is not None:
                 pool.collect(warmup)
                 warmup = None
-            weights = on_all(trainer, "publish_weights")
+            weights = trainer.publish_weights()
             pool.update_weights(weights.path, weights.version)
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
@@ -571,8 +528,8 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             break
         stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
         if stopping or step % job.algorithm.checkpoint_every == 0 and step < algo.sft_steps:
-            on_all(trainer, "save_checkpoint", {"store_position": 0, "rl_step": 0, "phase": "sft", "sft_step": step,
-                                                **metrics_log.state()})
+            trainer.save_checkpoint({"store_position": 0, "rl_step": 0, "phase": "sft", "sft_step": step,
+                                     **metrics_log.state()})
             metrics_log.flush()
         if stopping:
             raise stop.interrupted(f"SFT step {step} of {algo.sft_steps}")
@@ -580,9 +537,9 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
         pool.collect(warmup)
     metrics_log.add(step - 1, {"sft/steps_run": step})
     if algo.sft_lr is not None:
-        on_all(trainer, "set_lr", job.trainer.lr)
-    on_all(trainer, "reset_reference")  # RL's KL term (kl_coef > 0) anchors to the warm-started policy
-    return on_all(trainer, "publish_weights")
+        trainer.set_lr(job.trainer.lr)
+    trainer.reset_reference()  # RL's KL term (kl_coef > 0) anchors to the warm-started policy
+    return trainer.publish_weights()
 
 
 def model_directory(path: str) -> str:
@@ -625,7 +582,7 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
     connect(job)
     pool = RolloutPool(rollout_worker_actor(num_cpus=job.cluster.rollout_cpus), 1,
                        (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),
-                        checkpoint, rollout_config(job)))
+                        checkpoint, job.rollout), {"chat_format": job.model.chat_format})
     try:
         return rollout_metrics(pool.generate(TaskSampler(job).eval_requests(num_tasks), temperature=0.0),
                                prefix="eval")

@@ -39,6 +39,24 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
+# the job's actor classes, by the part of the job a user knows them as
+ACTOR_ROLES = {"TrajectoryStore": "the trajectory store", "PolicyTrainer": "a trainer rank",
+               "RolloutWorker": "a rollout worker"}
+
+
+def lost_actor(exc: BaseException) -> str:
+    """One line naming the job's part behind a Ray actor error — Ray's own first line says only "The actor died
+    unexpectedly" and puts the class and pid on the lines after it."""
+    text = str(exc)
+    fields = dict(line.strip().split(": ", 1) for line in text.splitlines()[1:]
+                  if line.startswith("\t") and ": " in line)
+    role = ACTOR_ROLES.get(fields.get("class_name", ""))
+    if role is None:
+        return first_line(exc)
+    pid = f", pid {fields['pid']}" if "pid" in fields else ""
+    return f"{role} ({fields['class_name']}{pid}) died: {first_line(exc)}"
+
+
 def failure_counts(trajectories: Sequence[Trajectory]) -> dict[str, int]:
     """Failed episodes per boundary (env, tool, sandbox, model, worker)."""
     return dict(Counter(t.failure.value if t.failure else "unknown"

@@ -147,3 +147,21 @@ def drop_uniform_groups(trajectories: Sequence[Any]) -> tuple[list[Any], int]:
         else:
             dropped += 1
     return kept, dropped
+
+
+def select_trainable(trajectories: Sequence[Any], group_size: int, *, skip_uniform_groups: bool,
+                     drop_short_groups: bool) -> tuple[list[Any], int, int]:
+    """The members of a training batch the loss takes (the batch holds each group's members that did not fail), how
+    many groups were left out for equal rewards (`skip_uniform_groups`, see drop_uniform_groups), and how many
+    because a member failed (`drop_short_groups`: algorithm.failed_members=drop)."""
+    trajectories, short = list(trajectories), 0
+    if drop_short_groups:
+        size: dict[str, int] = {}
+        for t in trajectories:
+            size[t.group_id] = size.get(t.group_id, 0) + 1
+        trajectories = [t for t in trajectories if size[t.group_id] == group_size]
+        short = sum(n < group_size for n in size.values())
+    if not skip_uniform_groups:
+        return trajectories, 0, short
+    kept, uniform = drop_uniform_groups(trajectories)
+    return kept, uniform, short

@@ -48,6 +48,7 @@ import datasets
 import pyarrow.parquet as pq
 from datasets import Features, List, Value
 
+from agentrl.reward import select_trainable
 from agentrl.types import Status, Trajectory
 
 STORE_DIR = "store"
@@ -97,6 +98,19 @@ class Batch:
     trajectories: list[Trajectory]
     group_ids: list[str]
     max_lag: int  # the largest policy lag among the groups
+
+
+@dataclass(kw_only=True, slots=True)
+class Selection:
+    """What the driver learns of a training batch that goes to the trainer ranks by reference
+    (`take_training_batch`): which groups train and why the others taken with them do not."""
+
+    taken: bool  # False: fewer complete groups than asked for; they wait in the store
+    group_ids: list[str]  # the groups that train
+    trajectories: int  # their members that train
+    uniform: int  # groups left out: every member got the same reward (no advantage)
+    short: int  # groups left out: a member failed and algorithm.failed_members=drop
+    max_lag: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -259,6 +273,13 @@ class TrajectoryStore:
         the episodes a run had finished or paused past its checkpoint, which it must not sample again."""
         return [i for i in trajectory_ids if i in self._seen_ids or i in self._partials]
 
+    def held_results(self, trajectory_ids: list[str]) -> list[Trajectory]:
+        """The finished trajectories among `trajectory_ids` that wait in the store, not yet trained or dropped: after a
+        resume, those a redone step had finished before the run died, which its metrics count without sampling
+        them again."""
+        wanted = set(trajectory_ids)
+        return [t for g in self._groups.values() for t in g.members if t.trajectory_id in wanted]
+
     # --- reading ------------------------------------------------------------------------------------------------------
     def take_batch(self, num_groups: int, current_version: int, max_staleness: int, *,
                    min_groups: int | None = None) -> Batch | None:
@@ -300,6 +321,22 @@ class TrajectoryStore:
         self._counters["trajectories_consumed"] += len(batch.trajectories)
         self._last_lags = [lag for _, lag in chosen]
         return batch
+
+    def take_training_batch(self, num_groups: int, current_version: int, max_staleness: int, *,
+                            min_groups: int | None = None, skip_uniform_groups: bool = False,
+                            drop_short_groups: bool = False) -> tuple[Selection, list[Trajectory]]:
+        """`take_batch`, then the members the loss trains on (agentrl.reward.select_trainable): a small Selection
+        for the driver and the trajectories for the trainer ranks. Called as a Ray actor method with
+        `num_returns=2`, the trajectories stay in the object store and reach the ranks by reference, never the
+        driver."""
+        batch = self.take_batch(num_groups, current_version, max_staleness, min_groups=min_groups)
+        if batch is None:
+            return Selection(taken=False, group_ids=[], trajectories=0, uniform=0, short=0), []
+        trainable, uniform, short = select_trainable(batch.trajectories, self.config.group_size,
+                                                     skip_uniform_groups=skip_uniform_groups,
+                                                     drop_short_groups=drop_short_groups)
+        return Selection(taken=True, group_ids=list(dict.fromkeys(t.group_id for t in trainable)),
+                         trajectories=len(trainable), uniform=uniform, short=short, max_lag=batch.max_lag), trainable
 
     @property
     def position(self) -> int:

@@ -13,6 +13,7 @@ A trajectory that failed is data, not an exception: `status` says how it ended a
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 from dataclasses import asdict, dataclass, field, replace
@@ -100,7 +101,8 @@ class Trajectory:
                        routed_experts=None if self.routed_experts is None else self.routed_experts.copy(),
                        reward_components=dict(self.reward_components), turns=list(self.turns),
                        tool_calls=list(self.tool_calls), timings={**self.timings, "episode_s": episode_s},
-                       metadata=dict(self.metadata), status=Status.PARTIAL, env_state=env_state).pad_routing()
+                       metadata=copy.deepcopy(self.metadata), status=Status.PARTIAL,
+                       env_state=env_state).pad_routing()
 
     def pad_routing(self) -> Trajectory:
         """Pads the routing to [T, L, K]: tokens the engine never ran (the last sampled one, appended glue) get −1."""

@@ -26,42 +26,15 @@ from typing import Any
 import numpy as np
 
 from agentrl.chat import ChatFormat
+from agentrl.rollout.config import ISOLATIONS, RolloutConfig
 from agentrl.rollout.env_host import EnvHost, ProcessEnv, describe_exception
 from agentrl.rollout.policy_engine import Generation, PolicyEngine, SamplingSpec
 from agentrl.rollout.snapshots import SnapshotReporter
 from agentrl.types import Boundary, Status, Trajectory, Turn
 
 
-ISOLATIONS = ("process", "thread")
 log = logging.getLogger(__name__)
 _unsavable_envs: set[str] = set()  # env ids whose state could not be saved, warned about once per process
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    group_size: int = 4  # samples per task (one GRPO group)
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    max_trajectory_tokens: int = 4096  # prompt + all turns
-    env_timeout_s: float = 30.0  # a reset or step slower than this fails the episode at the tool boundary
-    max_concurrent_episodes: int = 64
-    # each generation samples from its own generator, seeded by the episode's seed and the trajectory's length, so an
-    # episode's tokens do not depend on which other requests share the engine's batches: a synchronous run with the
-    # same seed repeats (up to the engine's batch-dependent rounding). vLLM's sampler then draws per request. Off by
-    # default until its effect on learning is measured (docs/benchmarks.md, "Repeatable synchronous runs").
-    seeded_sampling: bool = False
-    chat_format: str | None = None  # agentrl.chat format name; None: detected from the checkpoint's tokenizer
-    env_isolation: str = "process"  # each env instance in its own process (a timeout holds against the GIL) or thread
-    snapshots: bool = True  # with a store to report to, running episodes are snapshotted at turn boundaries
-    snapshot_interval_s: float = 1.0  # seconds between a worker's reports to the store
-
-    def __post_init__(self):
-        for name in ("group_size", "max_trajectory_tokens", "max_concurrent_episodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"RolloutConfig.env_timeout_s must be > 0, got {self.env_timeout_s}")
-        if self.env_isolation not in ISOLATIONS:
-            raise ValueError(f"RolloutConfig.env_isolation={self.env_isolation!r} must be one of {ISOLATIONS}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,10 +133,17 @@ class EnvPool:
 
 
 class AgentLoop:
-    def __init__(self, engine: PolicyEngine, chat: ChatFormat, config: RolloutConfig, envs: EnvPool | None = None):
+    """Runs episodes on `engine` under the job's rollout section `config`. `sampling` replaces the sampling it
+    configures (e.g. greedy for evaluation; each call's max_tokens is the turn's room, from
+    config.max_tokens_per_turn) and `max_trajectory_tokens` its length limit (the context schedule moves it)."""
+
+    def __init__(self, engine: PolicyEngine, chat: ChatFormat, config: RolloutConfig, envs: EnvPool | None = None, *,
+                 sampling: SamplingSpec | None = None, max_trajectory_tokens: int | None = None):
         self.engine = engine
         self.chat = chat
         self.config = config
+        self.sampling = sampling or config.sampling()
+        self.max_trajectory_tokens = max_trajectory_tokens or config.max_trajectory_tokens
         self.envs = envs or EnvPool(isolation=config.env_isolation)
         self.stop_ids = list(chat.stop_ids)
         if config.seeded_sampling and not getattr(engine, "seeded_sampling", True):
@@ -232,11 +212,11 @@ class AgentLoop:
         cfg = self.config
         while True:
             turn_start = traj.metadata["turn_start"]
-            room = cfg.max_trajectory_tokens - len(traj.tokens)
-            turn_room = cfg.sampling.max_tokens - (len(traj.tokens) - turn_start)
+            room = self.max_trajectory_tokens - len(traj.tokens)
+            turn_room = cfg.max_tokens_per_turn - (len(traj.tokens) - turn_start)
             if room <= 0:
                 traj.status = Status.TRUNCATED
-                traj.error = f"trajectory token budget of {cfg.max_trajectory_tokens} reached"
+                traj.error = f"trajectory token budget of {self.max_trajectory_tokens} reached"
                 return
             if budget.exhausted:
                 traj.status = Status.PARTIAL
@@ -254,7 +234,7 @@ class AgentLoop:
                 return
             turn_ids = traj.tokens[turn_start:]
             ended = bool(turn_ids) and turn_ids[-1] in self.stop_ids
-            if not ended and len(turn_ids) < cfg.sampling.max_tokens and len(traj.tokens) < cfg.max_trajectory_tokens:
+            if not ended and len(turn_ids) < cfg.max_tokens_per_turn and len(traj.tokens) < self.max_trajectory_tokens:
                 continue  # cut by the iteration budget: loop back, which saves the episode as PARTIAL
             body = turn_ids[:-1] if ended else turn_ids
             turn = self.chat.parse_turn(body, cut=not ended, max_calls=env.max_calls_per_turn)
@@ -276,10 +256,10 @@ class AgentLoop:
                 traj.status = Status.COMPLETED if terminated else Status.TRUNCATED
                 return
             rendered = self.chat.render_observation(observation)
-            if len(traj.tokens) + len(rendered) > cfg.max_trajectory_tokens:  # a tool answered more than fits
+            if len(traj.tokens) + len(rendered) > self.max_trajectory_tokens:  # a tool answered more than fits
                 traj.status = Status.TRUNCATED
                 traj.error = (f"the observation's {len(rendered)} tokens do not fit in the trajectory token budget of "
-                              f"{cfg.max_trajectory_tokens} ({len(traj.tokens)} used)")
+                              f"{self.max_trajectory_tokens} ({len(traj.tokens)} used)")
                 return
             start = len(traj.tokens)
             traj.append_prompt(rendered)
@@ -310,16 +290,20 @@ class AgentLoop:
 
     async def _generate(self, traj: Trajectory, max_tokens: int, reporter: SnapshotReporter | None = None):
         seed = sampling_seed(traj.metadata.get("seed", 0), len(traj.tokens)) if self.config.seeded_sampling else None
-        sampling = replace(self.config.sampling, max_tokens=max(1, max_tokens), seed=seed)
+        sampling = replace(self.sampling, max_tokens=max(1, max_tokens), seed=seed)
         stream = Generation()
         if reporter is not None:
             reporter.streaming(traj.trajectory_id, stream)
         t0 = time.perf_counter()
+        prompt_tokens = len(traj.tokens)
         try:
             gen = await self.engine.generate(traj.tokens, sampling, self.stop_ids, into=stream)
         except Exception as exc:  # any engine failure is the model boundary's
             raise _EngineError(f"{type(exc).__name__}: {exc}") from exc
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
+        # per call: [prompt tokens, sampled tokens, prompt tokens served from vLLM's prefix cache] (prefix_cache_stats)
+        traj.metadata.setdefault(PREFIX_CACHE_KEY, []).append([prompt_tokens, len(gen.token_ids),
+                                                               int(gen.num_cached_tokens)])
         if gen.routed_experts is not None:  # the engine's routing covers the whole sequence so far
             traj.routed_experts = gen.routed_experts.astype(np.int16)
         return gen
@@ -333,6 +317,31 @@ class AgentLoop:
 
 class _EngineError(RuntimeError):
     pass
+
+
+PREFIX_CACHE_KEY = "prefix_cache"  # the trajectory's metadata key of its per-generation cache record
+
+
+def prefix_cache_stats(trajectories: list[Trajectory]) -> dict[str, float]:
+    """How much of the prompts the engine served from its prefix cache instead of computing them again.
+
+    Returns `prompt_tokens` and `cached_tokens` over every generation call, and, over the calls after an episode's
+    first (turn 2 on, a resumed partial's included), `reusable_tokens` (those the engine had already run for the
+    episode: the previous call's prompt and its sampled tokens but the last, which was never fed back) and
+    `reused_tokens`, the cached ones among them. Multi-turn state reuse is reused / reusable; a weight update
+    empties the cache, so the first call after one computes its prompt again."""
+    out = dict.fromkeys(("prompt_tokens", "cached_tokens", "reusable_tokens", "reused_tokens"), 0)
+    for t in trajectories:
+        calls = t.metadata.get(PREFIX_CACHE_KEY, [])
+        for i, (prompt, _, cached) in enumerate(calls):
+            out["prompt_tokens"] += prompt
+            out["cached_tokens"] += cached
+            if i:
+                before_prompt, before_sampled, _ = calls[i - 1]
+                reusable = min(prompt, before_prompt + max(before_sampled - 1, 0))
+                out["reusable_tokens"] += reusable
+                out["reused_tokens"] += min(cached, reusable)
+    return out
 
 
 def sampling_seed(episode_seed: int, position: int) -> int:

@@ -19,8 +19,9 @@ import zlib
 from dataclasses import replace
 from typing import Any
 
-from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, RolloutConfig, TokenBudget
-from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine, SamplingSpec
+from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, TokenBudget
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 from agentrl.rollout.snapshots import SnapshotReporter
 from agentrl.types import Boundary, Status, Trajectory
 
@@ -28,16 +29,21 @@ log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
+    """One engine and its episodes. `config` is the job's rollout section; `chat_format` names the model's chat format
+    (None: detected from the tokenizer at `tokenizer_path`)."""
+
     def __init__(self, engine_spec: EngineSpec, tokenizer_path: str, config: RolloutConfig, *,
-                 engine: PolicyEngine | None = None, version: int = 0, store: Any = None):
+                 chat_format: str | None = None, engine: PolicyEngine | None = None, version: int = 0,
+                 store: Any = None):
         from agentrl.chat import load_chat_format
 
         self.spec = engine_spec
         self.config = config
-        self.chat = load_chat_format(tokenizer_path, config.chat_format)
+        self.chat = load_chat_format(tokenizer_path, chat_format)
         self.initial_version = version
         self.engine = engine
         self.envs = EnvPool(isolation=config.env_isolation)
+        self.max_trajectory_tokens = config.max_trajectory_tokens  # the context schedule moves it
         self.loop = AgentLoop(engine, self.chat, config, self.envs) if engine is not None else None
         self._starting: asyncio.Lock | None = None
         # the store actor the running RL episodes report to, for lossless resume (None: nothing is reported)
@@ -51,7 +57,8 @@ class RolloutWorker:
             async with self._starting:
                 if self.engine is None:
                     self.engine = await PolicyEngine.create(self.spec, version=self.initial_version)
-                    self.loop = AgentLoop(self.engine, self.chat, self.config, self.envs)
+                    self.loop = AgentLoop(self.engine, self.chat, self.config, self.envs,
+                                          max_trajectory_tokens=self.max_trajectory_tokens)
         return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
@@ -66,9 +73,8 @@ class RolloutWorker:
         semaphore = asyncio.Semaphore(self.config.max_concurrent_episodes)
         loop = self.loop
         if temperature is not None:
-            sampling = SamplingSpec(temperature=temperature, top_p=self.config.sampling.top_p,
-                                    top_k=self.config.sampling.top_k, max_tokens=self.config.sampling.max_tokens)
-            loop = AgentLoop(self.engine, self.chat, replace(self.config, sampling=sampling), self.loop.envs)
+            loop = AgentLoop(self.engine, self.chat, self.config, self.envs, sampling=self.config.sampling(temperature),
+                             max_trajectory_tokens=self.max_trajectory_tokens)
 
         reporter = self.reporter if report else None
 
@@ -113,8 +119,10 @@ class RolloutWorker:
         os._exit(1)
 
     def set_max_trajectory_tokens(self, limit: int) -> None:
-        """The context schedule's current limit (applies to episodes started or resumed from now on)."""
-        self.config.max_trajectory_tokens = limit
+        """The context schedule's current limit (applies to the turns sampled from now on)."""
+        self.max_trajectory_tokens = limit
+        if self.loop is not None:
+            self.loop.max_trajectory_tokens = limit
 
     def shutdown(self) -> None:
         self.envs.close()

@@ -18,8 +18,9 @@ import tempfile
 import time
 
 from agentrl.init_model import init_model
-from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, RolloutConfig
-from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine, SamplingSpec
+from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, prefix_cache_stats
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 
 
 def table(header, rows) -> str:
@@ -34,7 +35,7 @@ async def run(args) -> None:
     engine = await PolicyEngine.create(EngineSpec(model=ckpt, max_model_len=4096, kv_cache_memory_bytes=512 << 20))
     from agentrl.chat import load_chat_format
 
-    config = RolloutConfig(sampling=SamplingSpec(max_tokens=args.tokens_per_turn), max_trajectory_tokens=4096,
+    config = RolloutConfig(max_tokens_per_turn=args.tokens_per_turn, max_trajectory_tokens=4096,
                            max_concurrent_episodes=args.episodes, env_isolation=args.env_isolation)
     loop = AgentLoop(engine, load_chat_format(ckpt), config)
 
@@ -48,7 +49,7 @@ async def run(args) -> None:
                            ("agentrl/KVChain-v0", {"max_turns": args.turns, "hops": args.turns})):
         await asyncio.gather(*[loop.run(r) for r in requests(env_id, kwargs)])
     await engine.llm.reset_prefix_cache()
-    rows, episode_rows = [], []
+    rows, episode_rows, cache_rows = [], [], []
     for env_id, kwargs in (("agentrl/Calc-v0", {"max_turns": args.turns}),
                            ("agentrl/KVChain-v0", {"max_turns": args.turns, "hops": args.turns})):
         await engine.llm.reset_prefix_cache()
@@ -58,6 +59,10 @@ async def run(args) -> None:
         sampled = sum(t.num_sampled for t in trajs)
         episode_rows.append([env_id, len(trajs), f"{loop_s:.1f}", f"{len(trajs) / loop_s:.2f}",
                              f"{sum(len(t.tokens) for t in trajs) / len(trajs):.0f}"])
+        cache = prefix_cache_stats(trajs)
+        cache_rows.append([env_id, cache["prompt_tokens"], cache["cached_tokens"],
+                           f"{cache['cached_tokens'] / max(cache['prompt_tokens'], 1):.1%}", cache["reusable_tokens"],
+                           cache["reused_tokens"], f"{cache['reused_tokens'] / max(cache['reusable_tokens'], 1):.1%}"])
         # the same requests on the bare engine: turn by turn, all episodes' k-th turns concurrently
         turns = [[t for t in traj.turns if t.role == "assistant"] for traj in trajs]
         await engine.llm.reset_prefix_cache()  # the bare replay must not reuse the loop's cached prefixes
@@ -81,6 +86,10 @@ async def run(args) -> None:
     print(table(["env", "sampled tokens", "agent loop tok/s", "bare vLLM tok/s", "ratio"], rows))
     print()
     print(table(["env", "episodes", "seconds", "episodes/s", "tokens/episode"], episode_rows))
+    print("\n### Prompt tokens served from vLLM's prefix cache (all calls; and on turns 2+, of the tokens the engine "
+          "had already run for the episode)\n")
+    print(table(["env", "prompt tokens", "from the cache", "hit rate", "earlier turns' tokens (turn 2+)",
+                 "reused", "reuse"], cache_rows))
 
 
 async def _forced(engine: PolicyEngine, prompt: list[int], n: int):

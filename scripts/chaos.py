@@ -85,7 +85,7 @@ class Fault:
     at_step: int = 0
     pid: int = 0
     healed: str = ""  # "replaced" (rollout), "restarted in place" (trainer, store), "resumed" (driver), "missed"
-    recovery_s: float = 0.0  # from the kill to the job's next step line
+    recovery_s: float = 0.0  # from the kill to the first step line the job prints after healing
 
 
 def schedule(num_faults: int, steps: int, seed: int, kinds: tuple[str, ...]) -> list[Fault]:
@@ -189,8 +189,10 @@ def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
                     f.healed = "replaced"
         match = STEP_LINE.search(line)
         if match:
+            # a fault costs until the first step the job ends once it has healed: a worker killed after its step's
+            # rollout returned is noticed, and replaced, during the next step, whose line then carries the cost
             for f in after:
-                if not f.recovery_s:
+                if not f.recovery_s and (f.healed or f.kind == "driver"):
                     f.recovery_s = time.monotonic() - f.injected_at
                     if f.kind == "driver" and not f.healed:
                         f.healed = "resumed"
@@ -352,8 +354,9 @@ def main() -> int:
 
     print(f"\n## chaos run: {args.mode}, seed {args.seed}, {args.steps} RL steps, {len(faults)} faults, snapshots "
           f"{'off' if args.no_snapshots else 'on'} ({run_dir})\n")
-    print("| # | fault | at RL step | healed | to the next step (s) | episodes resumed / restarted | sampled tokens "
-          "carried over | sampled tokens lost | episode seconds lost |\n|---|---|---|---|---|---|---|---|---|")
+    print("| # | fault | at RL step | healed | kill to the next step after healing (s) | episodes resumed / restarted "
+          "| sampled tokens carried over | sampled tokens lost | episode seconds lost |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for i, f in enumerate(faults):
         w = lost[i]
         print(f"| {i + 1} | {f.kind} | {f.at_step} | {f.healed or 'not seen'} | {f.recovery_s:.1f} | "

@@ -1,11 +1,14 @@
 """DeepSpeed ranks as Ray actors: `ray.remote(PolicyTrainer)`, one per bundle of a placement group.
 
-The driver sees every remote call:
+The driver calls the group's typed methods, each one remote call on every rank (they take part in the same
+collectives) that returns rank 0's answer:
 
     group = create_trainer_group(config, "/ckpt/initial", num_ranks=2)
-    batch_ref = ray.put(batch.trajectories)          # one copy in the object store, read by every rank
-    metrics = ray.get([r.step.remote(batch_ref) for r in group.ranks])[0]
-    published = ray.get([r.publish_weights.remote() for r in group.ranks])[0]
+    metrics = group.step(batch.trajectories)         # one copy in the object store, read by every rank
+    published = group.publish_weights()
+
+A rank that dies, or a call that outlasts `call_timeout_s`, raises ActorLost at once (agentrl.failures): the driver
+restarts the job from its last checkpoint.
 
 Rank 0's node address and a free port there are found by a zero-CPU task in the first bundle, then every rank is
 created with its RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and joins the process group in its
@@ -15,6 +18,8 @@ constructor. With GPUs, Ray gives each actor one device (CUDA_VISIBLE_DEVICES), 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
     remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agentrl.failures import ActorLost, first_line
 from agentrl.net import free_port
 from agentrl.trainer.config import TrainerConfig
 
@@ -42,6 +48,51 @@ class TrainerGroup:
     ranks: list[Any]
     placement_group: PlacementGroup
     call_timeout_s: float | None = None  # how long the driver waits for a call on every rank (None: forever)
+
+    # --- PolicyTrainer's methods, on every rank -----------------------------------------------------------------------
+    def step(self, trajectories: Sequence[Any] | ray.ObjectRef, loss: Any = None) -> dict[str, float]:
+        """One optimizer step on `trajectories` (PolicyTrainer.step; `loss` a LossConfig, default the trainer's): a
+        list, or a reference to one in the object store (the store's batch, which then never passes through here)."""
+        if not isinstance(trajectories, ray.ObjectRef):
+            trajectories = ray.put(list(trajectories))  # one copy in the object store for all ranks
+        return self._on_all("step", trajectories, loss)
+
+    def publish_weights(self) -> Any:
+        """The current weights as a new policy version (a PublishedWeights)."""
+        return self._on_all("publish_weights")
+
+    def save_checkpoint(self, client_state: dict) -> str:
+        """A resumable checkpoint carrying `client_state`; returns its directory."""
+        return self._on_all("save_checkpoint", client_state)
+
+    def load_checkpoint(self, path: str | None = None) -> dict:
+        """Restores the newest (or `path`'s) checkpoint; returns the client state saved with it."""
+        return self._on_all("load_checkpoint", path)
+
+    def set_lr(self, lr: float) -> None:
+        self._on_all("set_lr", lr)
+
+    def reset_reference(self) -> None:
+        """The KL term's reference becomes the current policy."""
+        self._on_all("reset_reference")
+
+    def _on_all(self, method: str, *args: Any) -> Any:
+        """`method` on every rank; rank 0's answer. Waits for the ranks as they finish, not rank 0 first: the others
+        would wait in their collectives for a missing rank up to trainer.dist_timeout_s, hanging the driver as long."""
+        refs = [getattr(rank, method).remote(*args) for rank in self.ranks]
+        deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+        waiting = list(refs)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1,
+                                     timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise ActorLost(f"trainer rank(s) {sorted(refs.index(r) for r in waiting)} did not finish {method} "
+                                f"within cluster.trainer_timeout_s={self.call_timeout_s:g}s")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as exc:
+                raise ActorLost(f"trainer rank {refs.index(done[0])} died during {method}: {first_line(exc)}") from exc
+        return ray.get(refs[0])
 
     def shutdown(self) -> None:
         """Kills the rank actors and frees their resources."""

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import gymnasium as gym
 import pytest
 import torch
 
 from agentrl.envs.calc import CalcEnv
-from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, RolloutConfig, TokenBudget
-from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine, SamplingSpec
+from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, TokenBudget
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 from agentrl.chat import HFTokenizer, get_format
 from agentrl.envs import make
 from agentrl.tokenizer import byte_tokenizer
@@ -89,9 +91,10 @@ def setup(tmp_path_factory):
 
 
 def make_loop(setup, **config) -> AgentLoop:
-    sampling = SamplingSpec(temperature=config.pop("temperature", 1.0), max_tokens=config.pop("max_tokens", 24),
-                            allowed_token_ids=setup["allowed"])
-    return AgentLoop(setup["engine"], setup["chat"], RolloutConfig(sampling=sampling, **config))
+    config = RolloutConfig(temperature=config.pop("temperature", 1.0), max_tokens_per_turn=config.pop("max_tokens", 24),
+                           **config)
+    sampling = replace(config.sampling(), allowed_token_ids=setup["allowed"])  # the byte tokenizer's tokens only
+    return AgentLoop(setup["engine"], setup["chat"], config, sampling=sampling)
 
 
 def request(i: int, env_id: str = "agentrl/Calc-v0", **kwargs) -> EpisodeRequest:

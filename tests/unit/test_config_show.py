@@ -40,13 +40,13 @@ def test_config_show_lists_every_key_with_a_description_and_its_default():
 
 
 def test_every_config_class_describes_every_field():
-    from agentrl.config import (AlgorithmConfig, ClusterConfig, EngineConfig, EnvConfig, ModelConfig,
-                                RolloutJobConfig)
+    from agentrl.config import AlgorithmConfig, ClusterConfig, EnvConfig, ModelConfig
+    from agentrl.rollout.config import EngineConfig, RolloutConfig
     from agentrl.tracking import TrackingConfig
     from agentrl.trainer.config import TrainerConfig
     from agentrl.trainer.losses import LossConfig
 
-    for cls in (JobConfig, ModelConfig, EnvConfig, EngineConfig, RolloutJobConfig, AlgorithmConfig, ClusterConfig,
+    for cls in (JobConfig, ModelConfig, EnvConfig, EngineConfig, RolloutConfig, AlgorithmConfig, ClusterConfig,
                 TrainerConfig, LossConfig, TrackingConfig):
         texts, hints = field_descriptions(cls), typing.get_type_hints(cls)
         leaves = [f.name for f in dataclasses.fields(cls)

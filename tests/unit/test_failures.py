@@ -6,7 +6,8 @@ import logging
 import pytest
 
 from agentrl.driver import GroupReport, Progress, rollout_metrics
-from agentrl.failures import FailureWatch, JobFailed, describe_failures, failure_counts
+from agentrl.failures import FailureWatch, JobFailed, describe_failures, failure_counts, lost_actor
+from agentrl.store import Selection
 from agentrl.types import Boundary, Status, Trajectory
 
 
@@ -21,6 +22,20 @@ def test_a_steps_failures_are_named_by_boundary_with_the_first_message():
     assert failure_counts(batch) == {"env": 2, "tool": 1}
     assert describe_failures(batch) == "3 failed (env 2, tool 1; first: ZeroDivisionError: division by zero)"
     assert describe_failures([traj(0)]) == ""
+
+
+def test_a_dead_actor_is_named_by_the_part_of_the_job_it_was():
+    from ray.exceptions import RayActorError
+
+    # Ray's message for a killed store actor, as ray 2.x words it (its first line names no actor)
+    said = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrajectoryStore\n\tactor_id: "
+            "e2f6\n\tpid: 4858\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died.")
+    assert lost_actor(RayActorError(error_msg=said)) == (
+        "the trajectory store (TrajectoryStore, pid 4858) died: RayActorError: The actor died unexpectedly before "
+        "finishing this task.")
+    assert lost_actor(RayActorError(error_msg=said.replace("TrajectoryStore", "PolicyTrainer"))).startswith(
+        "a trainer rank (PolicyTrainer, pid 4858) died")
+    assert lost_actor(RuntimeError("rank 1 died during step")) == "RuntimeError: rank 1 died during step"
 
 
 def test_mlflow_counts_failed_episodes_per_boundary_every_step():
@@ -50,11 +65,12 @@ def test_the_watch_stops_once_the_windows_failed_fraction_exceeds_the_threshold(
 def test_the_group_report_says_what_trained_and_why_the_rest_did_not():
     before = {"groups_dropped_stale": 1, "groups_dropped_untrainable": 0}
     after = {"groups_dropped_stale": 3, "groups_dropped_untrainable": 1}
-    trainable = [traj(0, group="a"), traj(1, group="a"), traj(2, group="b"), traj(3, group="b")]
-    report = GroupReport.of(8, object(), trainable, uniform=3, short=1, before=before, after=after)
+    selected = Selection(taken=True, group_ids=["a", "b"], trajectories=4, uniform=3, short=1)
+    report = GroupReport.of(8, selected, before=before, after=after)
     assert (report.trained, report.stale, report.failed) == (2, 2, 1)
     assert str(report) == "trained 2/8 groups (3 uniform, 1 short of a failed member, 2 stale, 1 failed)"
-    waiting = GroupReport.of(8, None, [], uniform=0, short=0, before=before, after=before)
+    nothing = Selection(taken=False, group_ids=[], trajectories=0, uniform=0, short=0)
+    waiting = GroupReport.of(8, nothing, before=before, after=before)
     assert str(waiting) == "trained 0/8 groups (too few complete groups: they wait for the next step)"
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from agentrl.chat.agentrl_format import AgentRLFormat
-from agentrl.rollout.agent_loop import AgentLoop, RolloutConfig, sampling_seed
+from agentrl.rollout.agent_loop import AgentLoop, sampling_seed
+from agentrl.rollout.config import RolloutConfig
 
 
 def test_sampling_seeds_are_stable_and_distinct_per_episode_and_position():

@@ -178,6 +178,10 @@ def test_held_names_what_a_resumed_run_must_not_sample_again(tmp_path):
     s.put_partial(traj("C0", "C", status=Status.PARTIAL))
     r = TrajectoryStore.open(str(tmp_path), position=0)
     assert r.held(["A0", "B1", "C0", "C1", "D0"]) == ["A0", "B1", "C0"]
+    # the finished ones come back for the redone step's metrics, until trained
+    assert [t.trajectory_id for t in r.held_results(["A0", "B1", "C0", "D0"])] == ["A0", "B1"]
+    r.take_batch(1, 0, 0)
+    assert [t.trajectory_id for t in r.held_results(["A0", "B1"])] == ["B1"]
 
 
 def running(tid: str, group: str, length: int = 6, routed: bool = False) -> Trajectory:

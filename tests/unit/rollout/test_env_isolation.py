@@ -20,7 +20,8 @@ import pytest
 
 from agentrl.chat import get_format
 from agentrl.chat.tokenizers import HFTokenizer
-from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, RolloutConfig
+from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest
+from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import Generation
 from agentrl.tokenizer import byte_tokenizer
 from agentrl.types import Boundary, Status

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from agentrl.rollout.agent_loop import AgentLoop, RolloutConfig
+from agentrl.rollout.agent_loop import AgentLoop
+from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import Generation
 from agentrl.rollout.snapshots import SnapshotReporter
 from agentrl.rollout.worker import request_of
