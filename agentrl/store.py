@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from datasets import Features, List, Value
 
@@ -376,8 +378,9 @@ class TrajectoryStore:
         files = _shard_files(shard_dir)
         if not files:
             return datasets.Dataset.from_list([], features=ROW_FEATURES)
-        rows = datasets.concatenate_datasets([datasets.Dataset(pq.read_table(f)) for f in files])
-        return rows.filter(lambda kind: kind in kinds, input_columns="kind")
+        tables = [pq.read_table(f) for f in files]
+        return datasets.concatenate_datasets([datasets.Dataset(t.filter(pc.is_in(t["kind"], pa.array(kinds))))
+                                              for t in tables])
 
     # --- internals ----------------------------------------------------------------------------------------------------
     def _add(self, t: Trajectory) -> None:

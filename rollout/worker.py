@@ -169,9 +169,13 @@ class RolloutPool:
     def _start(self):
         return self.actor_cls.remote(*self.args, **self.kwargs)
 
-    def _replace(self, index: int) -> None:
+    def _replace(self, index: int, dead: Any) -> None:
+        """Replaces worker `index`, whose handle `dead` failed — unless another call already replaced it (async
+        steps notice one death twice: in a weight update and in the rollout submitted before it)."""
         import ray
 
+        if self.workers[index] is not dead:
+            return
         self.restarts += 1
         log.warning("rollout worker %d died; starting a replacement", index)
         spec, *rest = self.args
@@ -185,7 +189,7 @@ class RolloutPool:
 
     def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
                token_budget: int | None = None, temperature: float | None = None,
-               report: bool = False) -> list[tuple[int, tuple, Any]]:
+               report: bool = False) -> list[tuple[int, tuple, Any, Any]]:
         """Starts the episodes on the workers without waiting; `collect` returns them. With `report` (RL episodes,
         whose results go to the store) they report to the store while they run, and a rerun resumes them."""
         shares: list[tuple[list, list]] = [([], []) for _ in self.workers]
@@ -195,25 +199,26 @@ class RolloutPool:
             shares[i % len(shares)][1].append(partial)
         budget = None if token_budget is None else max(1, token_budget // len(self.workers))
         report = report and self.store is not None
-        return [(i, (reqs, parts, budget, temperature, report),
+        return [(i, (reqs, parts, budget, temperature, report), self.workers[i],
                  self.workers[i].generate.remote(reqs, parts, budget, temperature, report))
                 for i, (reqs, parts) in enumerate(shares) if reqs or parts]
 
-    def collect(self, submitted: list[tuple[int, tuple, Any]]) -> list[Trajectory]:
+    def collect(self, submitted: list[tuple[int, tuple, Any, Any]]) -> list[Trajectory]:
         """Waits for submitted episodes; a dead worker is replaced and its share rerun once."""
         import ray
 
         out: list[Trajectory] = []
-        for i, args, ref in submitted:
+        for i, args, worker, ref in submitted:
             try:
                 out.extend(ray.get(ref))
             except ray.exceptions.RayActorError:
-                self._replace(i)
+                self._replace(i, worker)
                 args = self._resumable(args)
+                worker = self.workers[i]
                 try:
-                    out.extend(ray.get(self.workers[i].generate.remote(*args)))
+                    out.extend(ray.get(worker.generate.remote(*args)))
                 except ray.exceptions.RayActorError as exc:
-                    self._replace(i)
+                    self._replace(i, worker)
                     out.extend(_failed(args[0], args[1], f"rollout worker died twice: {exc}"))
         return out
 
@@ -243,23 +248,25 @@ class RolloutPool:
         import ray
 
         self.max_trajectory_tokens = limit
-        refs = [w.set_max_trajectory_tokens.remote(limit) for w in self.workers]
+        workers = list(self.workers)
+        refs = [w.set_max_trajectory_tokens.remote(limit) for w in workers]
         for i, ref in enumerate(refs):
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                self._replace(i)
+                self._replace(i, workers[i])
 
     def update_weights(self, path: str, version: int) -> None:
         import ray
 
         self.weights = (path, version)
-        refs = [w.update_weights.remote(path, version) for w in self.workers]
+        workers = list(self.workers)
+        refs = [w.update_weights.remote(path, version) for w in workers]
         for i, ref in enumerate(refs):
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                self._replace(i)
+                self._replace(i, workers[i])
 
     def shutdown(self) -> None:
         import ray
