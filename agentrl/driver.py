@@ -23,7 +23,6 @@ import os
 import random
 import time
 import traceback
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -148,7 +147,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         requests = sampler.requests(at_step)
         held = ray.get(store.held.remote([r.trajectory_id for r in requests]))
         done = ray.get(store.held_results.remote(held)) if held else []  # the step's metrics count them
-        fresh = [r for r in requests if r.trajectory_id not in set(held)]
+        skip = set(held)
+        fresh = [r for r in requests if r.trajectory_id not in skip]
         resumed = ray.get(store.take_snapshots.remote([r.trajectory_id for r in fresh]))
         running = {t.trajectory_id for t in resumed}
         fresh = [r for r in fresh if r.trajectory_id not in running]

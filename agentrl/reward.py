@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -156,9 +157,7 @@ def select_trainable(trajectories: Sequence[Any], group_size: int, *, skip_unifo
     because a member failed (`drop_short_groups`: algorithm.failed_members=drop)."""
     trajectories, short = list(trajectories), 0
     if drop_short_groups:
-        size: dict[str, int] = {}
-        for t in trajectories:
-            size[t.group_id] = size.get(t.group_id, 0) + 1
+        size = Counter(t.group_id for t in trajectories)
         trajectories = [t for t in trajectories if size[t.group_id] == group_size]
         short = sum(n < group_size for n in size.values())
     if not skip_uniform_groups:

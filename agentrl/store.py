@@ -112,7 +112,6 @@ class Selection:
     trajectories: int  # their members that train
     uniform: int  # groups left out: every member got the same reward (no advantage)
     short: int  # groups left out: a member failed and algorithm.failed_members=drop
-    max_lag: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -338,7 +337,7 @@ class TrajectoryStore:
                                                      skip_uniform_groups=skip_uniform_groups,
                                                      drop_short_groups=drop_short_groups)
         return Selection(taken=True, group_ids=list(dict.fromkeys(t.group_id for t in trainable)),
-                         trajectories=len(trainable), uniform=uniform, short=short, max_lag=batch.max_lag), trainable
+                         trajectories=len(trainable), uniform=uniform, short=short), trainable
 
     @property
     def position(self) -> int:
