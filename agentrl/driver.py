@@ -36,7 +36,7 @@ from agentrl.rollout.agent_loop import EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.policy_engine import EngineSpec
 from agentrl.tracking import Tracker
 from agentrl.trainer.losses import LossConfig
-from agentrl.types import Boundary, Status, Trajectory
+from agentrl.types import Boundary, EpisodeSummary, Status
 
 log = logging.getLogger("agentrl")
 
@@ -153,8 +153,9 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         running = {t.trajectory_id for t in resumed}
         fresh = [r for r in fresh if r.trajectory_id not in running]
         # with the policy version serving when they start (async: one behind the one trained meanwhile)
+        # the workers hand the trajectories to the store and return their summaries
         return pool.submit(fresh, ray.get(store.take_partials.remote()) + resumed, job.rollout.token_budget,
-                           report=True), weights.version, done
+                           to_store=True, transcripts=job.tracking.transcripts_per_step), weights.version, done
 
     if step == 0:  # a resumed run evaluated when it started (and at its eval_every steps)
         metrics_log.add(step, evaluate(pool, job, sampler))
@@ -166,12 +167,10 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         t_step = time.perf_counter()
         limit = job.algorithm.max_trajectory_tokens(step, job.rollout.max_trajectory_tokens)
         pending, submitted_version, held = in_flight
-        sampled = pool.collect(pending)                                                   # rollout
+        sampled = pool.collect(pending)                                      # rollout, into the store: summaries back
         sampled += resample_failed(job, pool, sampled, sampler.requests(step))            # top groups up
         rollout_s = time.perf_counter() - t_step
-        ray.get(store.put.remote([t for t in sampled if t.status != Status.PARTIAL]))       # store
-        ray.get(store.put_partial.remote([t for t in sampled if t.status == Status.PARTIAL]))
-        trajectories = held + sampled  # the step's episodes: a redone step's include those finished before a kill
+        episodes = held + sampled  # the step's episodes: a redone step's include those finished before a kill
         dropped_before = ray.get(store.stats.remote())
         # sync: the step's episodes are all back, so what is complete trains now (a group whose every member failed
         # was dropped); async: wait for a full batch. The batch goes from the store to the trainer ranks by
@@ -200,7 +199,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
             in_flight = submit_rollout(step)
         store_stats = ray.get(store.stats.remote())
         groups = GroupReport.of(job.rollout.groups_per_step, selected, dropped_before, store_stats)
-        metrics = {**rollout_metrics(trajectories), **{f"train/{k}": v for k, v in train.items()},
+        metrics = {**rollout_metrics(episodes), **{f"train/{k}": v for k, v in train.items()},
                    "train/uniform_groups": selected.uniform, "train/short_groups_dropped": selected.short,
                    "train/groups_trained": groups.trained,
                    **{f"store/{k}": v for k, v in store_stats.items()},
@@ -212,7 +211,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         if job.algorithm.eval_every and step % job.algorithm.eval_every == 0 or step == job.algorithm.steps:
             metrics.update(evaluate(pool, job, sampler))
         t_log = time.perf_counter()
-        tracker.log_transcripts(trajectories, step, last=step == job.algorithm.steps)
+        tracker.log_transcripts(episodes, step, last=step == job.algorithm.steps)
         metrics_log.add(step, metrics)
         stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
         if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps or stopping:
@@ -220,10 +219,10 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
             trainer.save_checkpoint({"store_position": int(position), "rl_step": step, "phase": "rl",
                                      **metrics_log.state()})
             metrics_log.flush(log_s=time.perf_counter() - t_log)                                # log
-        progress.report(step, metrics, groups, describe_failures(trajectories), time.perf_counter() - t_step)
+        progress.report(step, metrics, groups, describe_failures(episodes), time.perf_counter() - t_step)
         if stopping:
             raise stop.interrupted(f"RL step {step} of {job.algorithm.steps}")
-        watch.observe(trajectories, step)  # after the checkpoint: a fixed env resumes from here
+        watch.observe(episodes, step)  # after the checkpoint: a fixed env resumes from here
     return metrics
 
 
@@ -300,26 +299,24 @@ def _duration(seconds: float) -> str:
         f"{seconds:.0f}s"
 
 
-def resample_failed(job: JobConfig, pool, trajectories: list[Trajectory],
-                    requests: list[EpisodeRequest]) -> list[Trajectory]:
+def resample_failed(job: JobConfig, pool, episodes: list[EpisodeSummary],
+                    requests: list[EpisodeRequest]) -> list[EpisodeSummary]:
     """Tops up the step's groups (algorithm.failed_members=resample): each failed episode is run again as a new episode
     of the same task and group with another seed, up to algorithm.max_resamples times; returns the new episodes, each
     naming the one it replaces (the store puts it in that one's place). A failed episode this step did not start (a
     paused one resumed) is resampled from the request it recorded."""
-    from agentrl.rollout.worker import request_of
-
     if job.algorithm.failed_members != "resample":
         return []
     origin = {r.trajectory_id: r for r in requests}
-    failed = [t for t in trajectories if t.status == Status.FAILED]
-    out: list[Trajectory] = []
+    failed = [t for t in episodes if t.status == Status.FAILED]
+    out: list[EpisodeSummary] = []
     for attempt in range(1, job.algorithm.max_resamples + 1):
         asks = []
         for t in failed:
             original = origin.get(t.trajectory_id)
             if original is None:
                 with contextlib.suppress(ValueError):  # it failed before it recorded its request: it stays failed
-                    original = request_of(t)
+                    original = EpisodeRequest.of(t)
             if original is not None:
                 ask = original.resample(t.trajectory_id, attempt)
                 origin[ask.trajectory_id] = original
@@ -327,7 +324,7 @@ def resample_failed(job: JobConfig, pool, trajectories: list[Trajectory],
         if not asks:
             break
         log.info("resampling %d failed episode(s) (attempt %d of %d)", len(asks), attempt, job.algorithm.max_resamples)
-        again = pool.generate(asks, report=True)  # no token budget: the step's groups complete now
+        again = pool.generate(asks, to_store=True)  # no token budget: the step's groups complete now
         out += again
         failed = [t for t in again if t.status == Status.FAILED]
     return out
@@ -419,14 +416,14 @@ class TaskSampler:
                 for i in range(count)]
 
 
-def rollout_metrics(trajectories: list[Trajectory], prefix: str = "rollout") -> dict[str, float]:
+def rollout_metrics(trajectories: list[EpisodeSummary], prefix: str = "rollout") -> dict[str, float]:
     done = [t for t in trajectories if t.status in (Status.COMPLETED, Status.TRUNCATED)]
     n = max(len(trajectories), 1)
     out: dict[str, float] = {
         f"{prefix}/episodes": len(trajectories),
         f"{prefix}/failed_fraction": sum(t.status == Status.FAILED for t in trajectories) / n,
         f"{prefix}/partial_fraction": sum(t.status == Status.PARTIAL for t in trajectories) / n,
-        f"{prefix}/resampled": sum(bool(t.metadata.get("replaces")) for t in trajectories),  # failed ones' stand-ins
+        f"{prefix}/resampled": sum(bool(t.replaces) for t in trajectories),  # failed ones' stand-ins
         # failed episodes by the boundary that failed, every boundary each step (0 included: unbroken curves)
         **{f"{prefix}/failed/{b.value}": sum(t.status == Status.FAILED and t.failure == b for t in trajectories)
            for b in Boundary},
@@ -438,11 +435,11 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str = "rollout") -> 
             f"{prefix}/reward_mean": mean,
             f"{prefix}/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
             f"{prefix}/success_rate": sum(r >= 1.0 for r in rewards) / len(done),
-            f"{prefix}/tokens_mean": sum(len(t.tokens) for t in done) / len(done),
-            f"{prefix}/turns_mean": sum(sum(x.role == "assistant" for x in t.turns) for t in done) / len(done),
-            f"{prefix}/tool_calls_mean": sum(len(t.tool_calls) for t in done) / len(done),
+            f"{prefix}/tokens_mean": sum(t.num_tokens for t in done) / len(done),
+            f"{prefix}/turns_mean": sum(t.assistant_turns for t in done) / len(done),
+            f"{prefix}/tool_calls_mean": sum(t.tool_calls for t in done) / len(done),
             f"{prefix}/tool_error_rate": sum(t.num_tool_errors for t in done) / max(1, sum(
-                sum(x.role == "assistant" for x in t.turns) for t in done)),
+                t.assistant_turns for t in done)),
         })
         components: dict[str, list[float]] = {}
         for t in done:
@@ -467,8 +464,7 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
     if not job.env.eval_tasks:
         return {}
     log.info("evaluating greedily on %d held-out tasks", job.env.eval_tasks)
-    trajectories = pool.generate(sampler.eval_requests(), temperature=0.0)
-    return rollout_metrics(trajectories, prefix="eval")
+    return rollout_metrics(pool.generate(sampler.eval_requests(), temperature=0.0, summarize=True), prefix="eval")
 
 
 def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampler: TaskSampler, stop: StopRequest, *,
@@ -497,7 +493,8 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
         trainer.set_lr(algo.sft_lr)
     # the engine's first generation (its start-up and compilation, ~40 s on the CPU) overlaps the first SFT steps
     # instead of stalling the first check
-    warmup = pool.submit(sampler.eval_requests(), temperature=0.0) if algo.sft_target_success is not None else None
+    warmup = (pool.submit(sampler.eval_requests(), temperature=0.0, summarize=True)
+              if algo.sft_target_success is not None else None)
     step = first_step - 1
     for step in range(first_step, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
@@ -584,8 +581,8 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, num_tasks: int | None =
                        (engine_spec(replace(job, trainer=replace(job.trainer, routing_replay=False)), checkpoint),
                         checkpoint, job.rollout), {"chat_format": job.model.chat_format})
     try:
-        return rollout_metrics(pool.generate(TaskSampler(job).eval_requests(num_tasks), temperature=0.0),
-                               prefix="eval")
+        return rollout_metrics(pool.generate(TaskSampler(job).eval_requests(num_tasks), temperature=0.0,
+                                             summarize=True), prefix="eval")
     finally:
         pool.shutdown()
         if imported is not None:

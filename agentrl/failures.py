@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from agentrl.types import Status, Trajectory
+from agentrl.types import EpisodeSummary, Status, Trajectory
 
 
 class JobFailed(RuntimeError):
@@ -57,13 +57,13 @@ def lost_actor(exc: BaseException) -> str:
     return f"{role} ({fields['class_name']}{pid}) died: {first_line(exc)}"
 
 
-def failure_counts(trajectories: Sequence[Trajectory]) -> dict[str, int]:
+def failure_counts(trajectories: Sequence[Trajectory | EpisodeSummary]) -> dict[str, int]:
     """Failed episodes per boundary (env, tool, sandbox, model, worker)."""
     return dict(Counter(t.failure.value if t.failure else "unknown"
                         for t in trajectories if t.status == Status.FAILED))
 
 
-def describe_failures(trajectories: Sequence[Trajectory]) -> str:
+def describe_failures(trajectories: Sequence[Trajectory | EpisodeSummary]) -> str:
     """`3 failed (env 2, tool 1; first: ZeroDivisionError: division by zero)`, or "" when none failed."""
     failed = [t for t in trajectories if t.status == Status.FAILED]
     if not failed:
@@ -81,7 +81,7 @@ class FailureWatch:
         self.max_fraction = max_fraction
         self.steps: deque[tuple[int, int]] = deque(maxlen=window)  # (failed, episodes) per step
 
-    def observe(self, trajectories: Sequence[Trajectory], step: int) -> None:
+    def observe(self, trajectories: Sequence[Trajectory | EpisodeSummary], step: int) -> None:
         failed = [t for t in trajectories if t.status == Status.FAILED]
         self.steps.append((len(failed), len(trajectories)))
         total_failed = sum(f for f, _ in self.steps)

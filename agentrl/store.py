@@ -1,7 +1,7 @@
 """The trajectory store: a buffer of trajectories between the rollout workers and the trainer, persisted as it fills.
 
 Rollout workers `put` finished trajectories (a whole GRPO group at once or one by one) and `put_partial` the ones
-an iteration's token budget paused; while episodes run, their workers `report` snapshots taken at turn boundaries and
+an iteration's token budget paused, straight from the worker (the driver sees summaries only); while episodes run, their workers `report` snapshots taken at turn boundaries and
 how far each episode has got (agentrl.rollout.snapshots), so that an episode whose worker or run died resumes from
 its last snapshot (`take_snapshots`) instead of starting over; the driver asks
 `take_batch(num_groups, current_version, max_staleness)` for
@@ -12,7 +12,7 @@ Staleness: a group's policy lag is `current_version − (the oldest policy versi
 Groups whose lag exceeds `max_staleness` are **dropped**, not down-weighted: a down-weight would have to be an
 importance weight the loss already applies per token (TIS / IcePop against the recorded inference log-probs), and a
 dropped group is counted in `stats()` so the rollout side can be throttled instead. Groups without a single trainable
-member (all failed or aborted) are dropped too. A trajectory whose metadata names `replaces` (a failed member of its
+member (all failed or aborted) are dropped too. A trajectory that `replaces` (a failed member of its
 group, resampled: algorithm.failed_members) takes that member's place; the failed one stays in the log.
 
 Persistence (`<run_dir>/store/`), so that a run can be inspected, replayed and resumed after a crash:
@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 from datasets import Features, List, Value
 
 from agentrl.reward import select_trainable
-from agentrl.types import Status, Trajectory
+from agentrl.types import EpisodeSummary, Status, Trajectory
 
 STORE_DIR = "store"
 SHARD_DIR = "trajectories"
@@ -67,7 +67,7 @@ ROW_FEATURES = Features({
     "reward_components": Value("string"), "status": Value("string"), "failure": Value("string"),
     "error": Value("string"), "turns": Value("string"), "tool_calls": Value("string"),
     "num_tool_errors": Value("int64"), "timings": Value("string"), "env_state": Value("binary"),
-    "metadata": Value("string"), "seq": Value("int64"), "kind": Value("string"),
+    "episode": Value("string"), "prefix_cache": Value("string"), "metadata": Value("string"), "seq": Value("int64"), "kind": Value("string"),
 })
 
 
@@ -182,7 +182,7 @@ class TrajectoryStore:
             if t.trajectory_id in self._seen_ids or t.trajectory_id in ids:
                 raise ValueError(f"trajectory {t.trajectory_id} was already put")
             ids.add(t.trajectory_id)
-            replaces = t.metadata.get("replaces")
+            replaces = t.replaces
             if replaces:  # a resampled member takes the place of a failed one
                 if failed.get(replaces) != t.group_id:
                     raise ValueError(f"trajectory {t.trajectory_id} replaces {replaces}, which is not a failed member "
@@ -274,12 +274,16 @@ class TrajectoryStore:
         the episodes a run had finished or paused past its checkpoint, which it must not sample again."""
         return [i for i in trajectory_ids if i in self._seen_ids or i in self._partials]
 
-    def held_results(self, trajectory_ids: list[str]) -> list[Trajectory]:
-        """The finished trajectories among `trajectory_ids` that wait in the store, not yet trained or dropped: after a
-        resume, those a redone step had finished before the run died, which its metrics count without sampling
-        them again."""
+    def held_results(self, trajectory_ids: list[str], *, paused: bool = False) -> list[EpisodeSummary]:
+        """The summaries of the finished trajectories among `trajectory_ids` that wait in the store, not yet trained
+        or dropped (and with `paused`, of those in the partial pool): after a resume, those a redone step had
+        finished before the run died, which its metrics count without sampling them again; after a rollout worker
+        died, those it had handed over, which are not run again."""
         wanted = set(trajectory_ids)
-        return [t for g in self._groups.values() for t in g.members if t.trajectory_id in wanted]
+        out = [t.summary() for g in self._groups.values() for t in g.members if t.trajectory_id in wanted]
+        if paused:
+            out += [t.summary() for tid, t in self._partials.items() if tid in wanted]
+        return out
 
     # --- reading ------------------------------------------------------------------------------------------------------
     def take_batch(self, num_groups: int, current_version: int, max_staleness: int, *,
@@ -384,7 +388,7 @@ class TrajectoryStore:
     # --- internals ----------------------------------------------------------------------------------------------------
     def _add(self, t: Trajectory) -> None:
         group = self._groups.setdefault(t.group_id, _Group())
-        replaces = t.metadata.get("replaces")
+        replaces = t.replaces
         if replaces:  # put() checked that it names a failed member of this group
             group.members = [t if m.trajectory_id == replaces else m for m in group.members]
             self._counters["resampled"] += 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.types import Trajectory
+from agentrl.types import EpisodeSummary
 
 RUN_ID_FILE = "mlflow_run_id"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # the MLflow UI's choice between its GenAI and model-training views
@@ -132,13 +132,14 @@ class Tracker:
     def set_tag(self, key: str, value: Any) -> None:
         self.client.set_tag(self.run_id, key, str(value))
 
-    def log_transcripts(self, trajectories: list[Trajectory], step: int, *, last: bool = False) -> None:
-        """A few trajectories as an HTML page (readable in the MLflow UI) and JSON, at the first step, the `last` one
-        and every `transcripts_every`-th (a short run has some too)."""
+    def log_transcripts(self, episodes: list[EpisodeSummary], step: int, *, last: bool = False) -> None:
+        """A few episodes' transcripts as an HTML page (readable in the MLflow UI) and JSON, at the first step, the
+        `last` one and every `transcripts_every`-th (a short run has some too); the episodes whose summaries carry
+        their turns' text (the rollout workers add it to the first `transcripts_per_step` of theirs)."""
         every = self.config.transcripts_every
         if not every or not (step == 1 or last or step % every == 0):
             return
-        chosen = trajectories[: self.config.transcripts_per_step]
+        chosen = [e for e in episodes if e.turns is not None][: self.config.transcripts_per_step]
         if not chosen:
             return
         records = [transcript_record(t) for t in chosen]
@@ -180,12 +181,12 @@ def start_and_end(history: list[tuple[int, float]], window: int) -> tuple[float,
     return sum(values[:window]) / window, sum(values[-window:]) / window
 
 
-def transcript_record(t: Trajectory) -> dict[str, Any]:
+def transcript_record(t: EpisodeSummary) -> dict[str, Any]:
     return {"trajectory_id": t.trajectory_id, "task_id": t.task_id, "env": t.env_id, "status": t.status.value,
             "failure": t.failure.value if t.failure else None, "error": t.error, "reward": t.reward,
             "reward_components": t.reward_components, "policy_versions": t.policy_versions,
-            "num_tokens": len(t.tokens), "num_sampled": t.num_sampled,
-            "turns": [{"role": turn.role, "text": turn.text} for turn in t.turns]}
+            "num_tokens": t.num_tokens, "num_sampled": t.num_sampled,
+            "turns": [{"role": role, "text": text} for role, text in t.turns or []]}
 
 
 def transcripts_html(records: list[dict[str, Any]], step: int) -> str:

@@ -9,6 +9,9 @@ aligned with `tokens`:
 - `routed_experts[t]` ([L, K] per token, optional) are the experts the engine's MoE layers chose while processing
   token t, for routing replay in training.
 A trajectory that failed is data, not an exception: `status` says how it ended and `failure` which boundary failed.
+
+`episode` is what the agent loop needs to continue the episode (a paused or snapshotted trajectory resumes from it);
+an `EpisodeSummary` is what the driver learns of a trajectory the rollout workers handed to the store: no tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +54,44 @@ class Turn:
 
 
 @dataclass(kw_only=True)
+class Episode:
+    """The request an episode of the agent loop started from, and where its current assistant turn began."""
+
+    task_index: int
+    seed: int = 0
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    replaces: str | None = None  # the failed member of the group this episode was resampled for
+    turn_start: int = 0  # token index where the turn being sampled began (the prompt's end, then each observation's)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EpisodeSummary:
+    """What the driver sees of one episode whose trajectory went to the store: counts, the reward, how it ended and,
+    for a few episodes per step (transcripts to log), the turns' text."""
+
+    trajectory_id: str
+    task_id: str
+    group_id: str
+    env_id: str
+    status: Status
+    failure: Boundary | None
+    error: str
+    reward: float
+    reward_components: dict[str, float]
+    num_tokens: int
+    num_sampled: int
+    assistant_turns: int
+    tool_calls: int
+    num_tool_errors: int
+    timings: dict[str, float]
+    replaces: str | None
+    episode: Episode | None  # the request it ran (a failed episode is resampled from it)
+    prefix_cache: list[list[int]]
+    policy_versions: list[int]
+    turns: list[tuple[str, str]] | None = None  # (role, text) per turn, only where a transcript was asked for
+
+
+@dataclass(kw_only=True)
 class Trajectory:
     trajectory_id: str
     task_id: str
@@ -72,7 +113,9 @@ class Trajectory:
     num_tool_errors: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     env_state: bytes | None = None  # pickled env state, kept only while PARTIAL
-    metadata: dict[str, Any] = field(default_factory=dict)
+    episode: Episode | None = None  # set by the agent loop (None: not sampled by it, e.g. an oracle trajectory)
+    prefix_cache: list[list[int]] = field(default_factory=list)  # per engine call: [prompt, sampled, cached] tokens
+    metadata: dict[str, Any] = field(default_factory=dict)  # free-form, for users and tools; agentrl reads none of it
 
     # --- token bookkeeping ----------------------------------------------------------------------------------------
     def append_prompt(self, token_ids: list[int]) -> None:
@@ -101,6 +144,7 @@ class Trajectory:
                        routed_experts=None if self.routed_experts is None else self.routed_experts.copy(),
                        reward_components=dict(self.reward_components), turns=list(self.turns),
                        tool_calls=list(self.tool_calls), timings={**self.timings, "episode_s": episode_s},
+                       episode=copy.deepcopy(self.episode), prefix_cache=[list(c) for c in self.prefix_cache],
                        metadata=copy.deepcopy(self.metadata), status=Status.PARTIAL,
                        env_state=env_state).pad_routing()
 
@@ -117,6 +161,24 @@ class Trajectory:
     @property
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def replaces(self) -> str | None:
+        """The failed member of its group this trajectory stands in for (algorithm.failed_members=resample)."""
+        return self.episode.replaces if self.episode is not None else None
+
+    def summary(self, *, transcript: bool = False) -> EpisodeSummary:
+        """This trajectory without its tokens; with `transcript`, the turns' text too."""
+        return EpisodeSummary(
+            trajectory_id=self.trajectory_id, task_id=self.task_id, group_id=self.group_id, env_id=self.env_id,
+            status=self.status, failure=self.failure, error=self.error, reward=self.reward,
+            reward_components=dict(self.reward_components), num_tokens=len(self.tokens),
+            num_sampled=self.num_sampled, assistant_turns=sum(t.role == "assistant" for t in self.turns),
+            tool_calls=len(self.tool_calls), num_tool_errors=self.num_tool_errors, timings=dict(self.timings),
+            replaces=self.replaces, episode=copy.deepcopy(self.episode),
+            prefix_cache=[list(c) for c in self.prefix_cache],
+            policy_versions=self.policy_versions,
+            turns=[(t.role, t.text) for t in self.turns] if transcript else None)
 
     @property
     def policy_versions(self) -> list[int]:
@@ -151,7 +213,8 @@ class Trajectory:
                                  else b"")
         row["routed_experts_shape"] = list(self.routed_experts.shape) if self.routed_experts is not None else []
         row["env_state"] = self.env_state or b""
-        for key in ("reward_components", "turns", "tool_calls", "timings", "metadata"):
+        row["episode"] = json.dumps(asdict(self.episode)) if self.episode is not None else ""
+        for key in ("reward_components", "turns", "tool_calls", "timings", "prefix_cache", "metadata"):
             row[key] = json.dumps(row[key], default=str)
         return row
 
@@ -164,9 +227,11 @@ class Trajectory:
         row["status"] = Status(row["status"])
         row["failure"] = Boundary(row["failure"]) if row.get("failure") else None
         row["env_state"] = row.get("env_state") or None
-        for key in ("reward_components", "turns", "tool_calls", "timings", "metadata"):
+        row["episode"] = Episode(**json.loads(row["episode"])) if row.get("episode") else None
+        for key in ("reward_components", "turns", "tool_calls", "timings", "prefix_cache", "metadata"):
             value = row.get(key)
             row[key] = json.loads(value) if isinstance(value, str) else (value or {})
         row["turns"] = [Turn(**t) for t in row["turns"]] if row["turns"] else []
         row["tool_calls"] = row["tool_calls"] or []
+        row["prefix_cache"] = row["prefix_cache"] or []
         return cls(**row)

@@ -30,7 +30,7 @@ from agentrl.rollout.config import ISOLATIONS, RolloutConfig
 from agentrl.rollout.env_host import EnvHost, ProcessEnv, describe_exception
 from agentrl.rollout.policy_engine import Generation, PolicyEngine, SamplingSpec
 from agentrl.rollout.snapshots import SnapshotReporter
-from agentrl.types import Boundary, Status, Trajectory, Turn
+from agentrl.types import Boundary, Episode, EpisodeSummary, Status, Trajectory, Turn
 
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,22 @@ class EpisodeRequest:
     seed: int = 0
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     replaces: str | None = None  # the failed episode of the group this one is resampled for
+
+    @classmethod
+    def of(cls, trajectory: Trajectory | EpisodeSummary) -> EpisodeRequest:
+        """The request a paused or snapshotted trajectory continues (or that a failed one is resampled from)."""
+        episode = trajectory.episode
+        if episode is None:
+            raise ValueError(f"trajectory {trajectory.trajectory_id} cannot be resumed: it holds no episode state "
+                             "(it was not sampled by agentrl's agent loop)")
+        return cls(env_id=trajectory.env_id, task_index=episode.task_index, group_id=trajectory.group_id,
+                   trajectory_id=trajectory.trajectory_id, seed=episode.seed, env_kwargs=dict(episode.env_kwargs),
+                   replaces=episode.replaces)
+
+    def episode(self) -> Episode:
+        """The episode state a trajectory of this request starts with."""
+        return Episode(task_index=self.task_index, seed=self.seed, env_kwargs=dict(self.env_kwargs),
+                       replaces=self.replaces)
 
     def resample(self, failed_id: str, attempt: int) -> EpisodeRequest:
         """Attempt `attempt` (1, 2, ...) at a new episode of this request's task and group, with another seed,
@@ -160,8 +176,7 @@ class AgentLoop:
         budget = budget or TokenBudget(None)
         started = time.perf_counter()
         traj = resume or Trajectory(trajectory_id=request.trajectory_id, task_id="", group_id=request.group_id,
-                                    env_id=request.env_id,
-                                    metadata={"replaces": request.replaces} if request.replaces else {})
+                                    env_id=request.env_id, episode=request.episode())
         env = None
         try:
             env = await self.envs.acquire(request.env_id, request.env_kwargs)
@@ -204,14 +219,12 @@ class AgentLoop:
         prompt = self.chat.render_prompt(system, tools, observation)
         traj.append_prompt(prompt.ids)
         traj.turns += [Turn(role=role, start=start, end=end, text=text) for role, start, end, text in prompt.spans]
-        traj.prompt_length = len(traj.tokens)
-        traj.metadata.update(task_index=request.task_index, seed=request.seed, env_kwargs=request.env_kwargs,
-                             turn_start=len(traj.tokens))
+        traj.prompt_length = traj.episode.turn_start = len(traj.tokens)
 
     async def _turns(self, env, traj: Trajectory, budget: TokenBudget, reporter: SnapshotReporter | None) -> None:
         cfg = self.config
         while True:
-            turn_start = traj.metadata["turn_start"]
+            turn_start = traj.episode.turn_start
             room = self.max_trajectory_tokens - len(traj.tokens)
             turn_room = cfg.max_tokens_per_turn - (len(traj.tokens) - turn_start)
             if room <= 0:
@@ -265,7 +278,7 @@ class AgentLoop:
             traj.append_prompt(rendered)
             traj.turns.append(Turn(role="tool", start=start, end=len(traj.tokens),
                                    text=self.chat.tokenizer.decode(traj.tokens[start:])))
-            traj.metadata["turn_start"] = len(traj.tokens)
+            traj.episode.turn_start = len(traj.tokens)
             if reporter is not None and reporter.snapshots:
                 await self._snapshot(env, traj, reporter)
 
@@ -289,7 +302,7 @@ class AgentLoop:
         return json.dumps(await self._env_call(env, "get_state")).encode()
 
     async def _generate(self, traj: Trajectory, max_tokens: int, reporter: SnapshotReporter | None = None):
-        seed = sampling_seed(traj.metadata.get("seed", 0), len(traj.tokens)) if self.config.seeded_sampling else None
+        seed = sampling_seed(traj.episode.seed, len(traj.tokens)) if self.config.seeded_sampling else None
         sampling = replace(self.sampling, max_tokens=max(1, max_tokens), seed=seed)
         stream = Generation()
         if reporter is not None:
@@ -302,8 +315,7 @@ class AgentLoop:
             raise _EngineError(f"{type(exc).__name__}: {exc}") from exc
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
         # per call: [prompt tokens, sampled tokens, prompt tokens served from vLLM's prefix cache] (prefix_cache_stats)
-        traj.metadata.setdefault(PREFIX_CACHE_KEY, []).append([prompt_tokens, len(gen.token_ids),
-                                                               int(gen.num_cached_tokens)])
+        traj.prefix_cache.append([prompt_tokens, len(gen.token_ids), int(gen.num_cached_tokens)])
         if gen.routed_experts is not None:  # the engine's routing covers the whole sequence so far
             traj.routed_experts = gen.routed_experts.astype(np.int16)
         return gen
@@ -319,10 +331,7 @@ class _EngineError(RuntimeError):
     pass
 
 
-PREFIX_CACHE_KEY = "prefix_cache"  # the trajectory's metadata key of its per-generation cache record
-
-
-def prefix_cache_stats(trajectories: list[Trajectory]) -> dict[str, float]:
+def prefix_cache_stats(episodes: list[Trajectory | EpisodeSummary]) -> dict[str, float]:
     """How much of the prompts the engine served from its prefix cache instead of computing them again.
 
     Returns `prompt_tokens` and `cached_tokens` over every generation call, and, over the calls after an episode's
@@ -331,8 +340,8 @@ def prefix_cache_stats(trajectories: list[Trajectory]) -> dict[str, float]:
     `reused_tokens`, the cached ones among them. Multi-turn state reuse is reused / reusable; a weight update
     empties the cache, so the first call after one computes its prompt again."""
     out = dict.fromkeys(("prompt_tokens", "cached_tokens", "reusable_tokens", "reused_tokens"), 0)
-    for t in trajectories:
-        calls = t.metadata.get(PREFIX_CACHE_KEY, [])
+    for t in episodes:
+        calls = t.prefix_cache
         for i, (prompt, _, cached) in enumerate(calls):
             out["prompt_tokens"] += prompt
             out["cached_tokens"] += cached

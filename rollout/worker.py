@@ -4,8 +4,10 @@
 Ray shell the driver places on the cluster. It is an async actor, so `update_weights` runs while `generate` is in
 flight: generation pauses, the weights change, and the episodes continue under the new version.
 
-`RolloutPool` is the caller's side: it spreads episode requests over the workers, detects a dead worker, replaces
-it and reruns the requests it held. A worker whose vLLM engine core died ends its own process (vLLM cannot rebuild a
+RL episodes go to the trajectory store from the worker that ran them (`to_store`): the caller gets only their
+summaries (agentrl.types.EpisodeSummary: counts, rewards, a few transcripts), so the tokens never pass through the
+driver. `RolloutPool` is the caller's side: it spreads episode requests over the workers, detects a dead worker,
+replaces it and reruns the requests it held that the store had not received. A worker whose vLLM engine core died ends its own process (vLLM cannot rebuild a
 dead engine in place), so that the pool replaces it the same way and its episodes are rerun, not failed.
 """
 
@@ -16,14 +18,14 @@ import logging
 import os
 import time
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, TokenBudget
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 from agentrl.rollout.snapshots import SnapshotReporter
-from agentrl.types import Boundary, Status, Trajectory
+from agentrl.types import Boundary, EpisodeSummary, Status, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ class RolloutWorker:
         self.max_trajectory_tokens = config.max_trajectory_tokens  # the context schedule moves it
         self.loop = AgentLoop(engine, self.chat, config, self.envs) if engine is not None else None
         self._starting: asyncio.Lock | None = None
-        # the store actor the running RL episodes report to, for lossless resume (None: nothing is reported)
+        # the store actor the RL episodes report to while they run (for lossless resume) and end in (None: no store)
+        self.store = store
         self.reporter = (SnapshotReporter(store, interval_s=config.snapshot_interval_s, snapshots=config.snapshots)
                          if store is not None else None)
 
@@ -62,13 +65,19 @@ class RolloutWorker:
         return self.engine
 
     async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-                       token_budget: int | None = None, temperature: float | None = None,
-                       report: bool = False) -> list[Trajectory]:
+                       token_budget: int | None = None, temperature: float | None = None, *,
+                       to_store: bool = False, summarize: bool = False,
+                       transcripts: int = 0) -> list[Trajectory] | list[EpisodeSummary]:
         """Runs the requested episodes and continues the partial ones, all concurrently; returns every trajectory
         (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first).
-        `temperature` overrides the sampling temperature for these episodes (0: greedy, for evaluation); `report`
-        sends their progress and snapshots to the store while they run (RL episodes, which the store receives)."""
+        `temperature` overrides the sampling temperature for these episodes (0: greedy, for evaluation).
+
+        `to_store` (RL episodes): their progress and snapshots go to the store while they run, their trajectories to
+        the store when they end (`put`, or `put_partial` for the paused ones), and only their summaries come back —
+        as with `summarize` — the first `transcripts` of them with the turns' text."""
         await self._ready()
+        if to_store and self.store is None:
+            raise ValueError("to_store=True needs the worker to have been started with the store actor")
         budget = TokenBudget(token_budget)
         semaphore = asyncio.Semaphore(self.config.max_concurrent_episodes)
         loop = self.loop
@@ -76,18 +85,22 @@ class RolloutWorker:
             loop = AgentLoop(self.engine, self.chat, self.config, self.envs, sampling=self.config.sampling(temperature),
                              max_trajectory_tokens=self.max_trajectory_tokens)
 
-        reporter = self.reporter if report else None
+        reporter = self.reporter if to_store else None
 
         async def one(request: EpisodeRequest, resume: Trajectory | None) -> Trajectory:
             async with semaphore:
                 return await loop.run(request, budget, resume, reporter)
 
-        jobs = [one(r, None) for r in requests] + [one(request_of(p), p) for p in resumes or []]
+        jobs = [one(r, None) for r in requests] + [one(EpisodeRequest.of(p), p) for p in resumes or []]
         t0 = time.perf_counter()
-        trajectories = await asyncio.gather(*jobs)
+        trajectories = list(await asyncio.gather(*jobs))
         self._end_if_engine_died()  # its episodes failed at the model boundary for want of an engine
         log.info("worker ran %d episodes in %.1fs", len(trajectories), time.perf_counter() - t0)
-        return list(trajectories)
+        if to_store:
+            await put_results(self.store, trajectories)
+        if to_store or summarize:
+            return [t.summary(transcript=i < transcripts) for i, t in enumerate(trajectories)]
+        return trajectories
 
     async def update_weights(self, path: str, version: int) -> int:
         engine = await self._ready()
@@ -130,16 +143,14 @@ class RolloutWorker:
             self.engine.shutdown()
 
 
-def request_of(partial: Trajectory) -> EpisodeRequest:
-    """The request a paused or snapshotted episode continues (the agent loop records it when the episode starts)."""
-    missing = [k for k in ("task_index", "seed", "env_kwargs") if k not in partial.metadata]
-    if missing:
-        raise ValueError(f"trajectory {partial.trajectory_id} cannot be resumed: its metadata lacks {missing} (it "
-                         "was not started by agentrl's agent loop)")
-    meta = partial.metadata
-    return EpisodeRequest(env_id=partial.env_id, task_index=meta["task_index"], group_id=partial.group_id,
-                          trajectory_id=partial.trajectory_id, seed=meta["seed"], env_kwargs=meta["env_kwargs"],
-                          replaces=meta.get("replaces"))
+async def put_results(store: Any, trajectories: list[Trajectory]) -> None:
+    """Hands episodes' results to the store actor: the finished ones (`put`) and the paused ones (`put_partial`)."""
+    finished = [t for t in trajectories if t.status != Status.PARTIAL]
+    paused = [t for t in trajectories if t.status == Status.PARTIAL]
+    if finished:
+        await store.put.remote(finished)
+    if paused:
+        await store.put_partial.remote(paused)
 
 
 def rollout_worker_actor(num_cpus: float = 1.0, num_gpus: float = 0.0, **options: Any):
@@ -188,61 +199,85 @@ class RolloutPool:
             ray.get(self.workers[index].set_max_trajectory_tokens.remote(self.max_trajectory_tokens))
 
     def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-               token_budget: int | None = None, temperature: float | None = None,
-               report: bool = False) -> list[tuple[int, tuple, Any, Any]]:
-        """Starts the episodes on the workers without waiting; `collect` returns them. With `report` (RL episodes,
-        whose results go to the store) they report to the store while they run, and a rerun resumes them."""
+               token_budget: int | None = None, temperature: float | None = None, *, to_store: bool = False,
+               summarize: bool = False, transcripts: int = 0) -> list[Share]:
+        """Starts the episodes on the workers without waiting; `collect` returns them (RolloutWorker.generate says
+        what `to_store`, `summarize` and `transcripts` do). With `to_store` a rerun resumes their snapshots."""
+        if to_store and self.store is None:
+            raise ValueError("to_store=True needs the pool to have been given the store actor")
         shares: list[tuple[list, list]] = [([], []) for _ in self.workers]
         for request in requests:  # a group's members go to one worker: they share the prompt prefix
             shares[_stable_hash(request.group_id) % len(shares)][0].append(request)
         for i, partial in enumerate(resumes or []):
             shares[i % len(shares)][1].append(partial)
         budget = None if token_budget is None else max(1, token_budget // len(self.workers))
-        report = report and self.store is not None
-        return [(i, (reqs, parts, budget, temperature, report), self.workers[i],
-                 self.workers[i].generate.remote(reqs, parts, budget, temperature, report))
-                for i, (reqs, parts) in enumerate(shares) if reqs or parts]
+        options = {"to_store": to_store, "summarize": summarize, "transcripts": transcripts}
+        return [self._run(Share(i, reqs, parts, budget, temperature, options)) for i, (reqs, parts) in
+                enumerate(shares) if reqs or parts]
 
-    def collect(self, submitted: list[tuple[int, tuple, Any, Any]]) -> list[Trajectory]:
+    def _run(self, share: Share) -> Share:
+        share.worker = self.workers[share.index]
+        share.ref = share.worker.generate.remote(share.requests, share.partials, share.budget, share.temperature,
+                                                 **share.options)
+        return share
+
+    def collect(self, submitted: list[Share]) -> list[Trajectory] | list[EpisodeSummary]:
         """Waits for submitted episodes; a dead worker is replaced and its share rerun once."""
         import ray
 
-        out: list[Trajectory] = []
-        for i, args, worker, ref in submitted:
+        out: list = []
+        for share in submitted:
             try:
-                out.extend(ray.get(ref))
+                out.extend(ray.get(share.ref))
             except ray.exceptions.RayActorError:
-                self._replace(i, worker)
-                args = self._resumable(args)
-                worker = self.workers[i]
+                self._replace(share.index, share.worker)
+                share, held = self._resumable(share)
+                out.extend(held)
                 try:
-                    out.extend(ray.get(worker.generate.remote(*args)))
+                    out.extend(ray.get(self._run(share).ref))
                 except ray.exceptions.RayActorError as exc:
-                    self._replace(i, worker)
-                    out.extend(_failed(args[0], args[1], f"rollout worker died twice: {exc}"))
+                    self._replace(share.index, share.worker)
+                    out.extend(self._failed(share, f"rollout worker died twice: {exc}"))
         return out
 
-    def _resumable(self, args: tuple) -> tuple:
-        """A dead worker's share, to rerun: the episodes it had snapshotted continue from their snapshots."""
+    def _resumable(self, share: Share) -> tuple[Share, list[EpisodeSummary]]:
+        """A dead worker's share, to rerun, and the summaries of what it had handed to the store before it died
+        (not rerun); the episodes it had snapshotted continue from their snapshots."""
         import ray
 
-        requests, partials, budget, temperature, report = args
-        if not report:
-            return args
-        ids = [r.trajectory_id for r in requests] + [p.trajectory_id for p in partials]
-        snapshots = {t.trajectory_id: t for t in ray.get(self.store.take_snapshots.remote(ids))}
-        resumes = [snapshots.pop(p.trajectory_id, p) for p in partials]
-        fresh = [r for r in requests if r.trajectory_id not in snapshots]
-        resumes += [snapshots[r.trajectory_id] for r in requests if r.trajectory_id in snapshots]
-        if len(fresh) < len(requests):
-            log.info("rerunning a dead worker's share: %d episode(s) resume from their snapshots",
-                     len(requests) - len(fresh))
-        return fresh, resumes, budget, temperature, report
+        if not share.options["to_store"]:
+            return share, []
+        ids = [r.trajectory_id for r in share.requests] + [p.trajectory_id for p in share.partials]
+        held = ray.get(self.store.held_results.remote(ids, paused=True))
+        done = {t.trajectory_id for t in held}
+        snapshots = {t.trajectory_id: t for t in ray.get(self.store.take_snapshots.remote(
+            [i for i in ids if i not in done]))}
+        if done or snapshots:
+            log.info("rerunning a dead worker's share: %d episode(s) the store had received, %d resume from their "
+                     "snapshots", len(done), len(snapshots))
+        resumes = [snapshots.pop(p.trajectory_id, p) for p in share.partials if p.trajectory_id not in done]
+        fresh = [r for r in share.requests if r.trajectory_id not in snapshots and r.trajectory_id not in done]
+        resumes += [snapshots[r.trajectory_id] for r in share.requests if r.trajectory_id in snapshots]
+        return replace(share, requests=fresh, partials=resumes), held
+
+    def _failed(self, share: Share, error: str) -> list[Trajectory] | list[EpisodeSummary]:
+        """The share's episodes as FAILED at the worker boundary (into the store with `to_store`)."""
+        import ray
+
+        failed = _failed(share.requests, share.partials, error)
+        if share.options["to_store"]:
+            held = set(ray.get(self.store.held.remote([t.trajectory_id for t in failed])))
+            failed = [t for t in failed if t.trajectory_id not in held]
+            ray.get(self.store.put.remote(failed))
+        if share.options["to_store"] or share.options["summarize"]:
+            return [t.summary() for t in failed]
+        return failed
 
     def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
-                 token_budget: int | None = None, temperature: float | None = None,
-                 report: bool = False) -> list[Trajectory]:
-        return self.collect(self.submit(requests, resumes, token_budget, temperature, report))
+                 token_budget: int | None = None, temperature: float | None = None, *, to_store: bool = False,
+                 summarize: bool = False, transcripts: int = 0) -> list[Trajectory] | list[EpisodeSummary]:
+        return self.collect(self.submit(requests, resumes, token_budget, temperature, to_store=to_store,
+                                        summarize=summarize, transcripts=transcripts))
 
     def set_max_trajectory_tokens(self, limit: int) -> None:
         import ray
@@ -275,6 +310,20 @@ class RolloutPool:
             ray.kill(worker)
 
 
+@dataclass(slots=True)
+class Share:
+    """One worker's part of a submission: what it runs, how, and the call in flight."""
+
+    index: int  # the worker's slot in the pool
+    requests: list[EpisodeRequest]
+    partials: list[Trajectory]
+    budget: int | None
+    temperature: float | None
+    options: dict[str, Any]  # to_store, summarize, transcripts
+    worker: Any = None  # the actor handle that runs it
+    ref: Any = None  # its generate call
+
+
 def _stable_hash(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -282,7 +331,7 @@ def _stable_hash(text: str) -> int:
 def _failed(requests: list[EpisodeRequest], partials: list[Trajectory], error: str) -> list[Trajectory]:
     out = [Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
                       env_id=r.env_id, status=Status.FAILED, failure=Boundary.WORKER, error=error,
-                      metadata={"replaces": r.replaces} if r.replaces else {}) for r in requests]
+                      episode=r.episode()) for r in requests]
     for p in partials:
         p.status, p.failure, p.error = Status.FAILED, Boundary.WORKER, error
         out.append(p)

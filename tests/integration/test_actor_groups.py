@@ -72,7 +72,7 @@ class Worker:
     def pid(self):
         return os.getpid()
 
-    def generate(self, requests, resumes=None, budget=None, temperature=None, report=False):
+    def generate(self, requests, resumes=None, budget=None, temperature=None, **options):
         time.sleep(self.delay_s)
         return [r.trajectory_id for r in requests]
 
@@ -99,3 +99,51 @@ def test_a_dead_rollout_worker_is_replaced_once_however_many_calls_notice(ray_se
     assert sorted(pool.collect(submitted)) == ["g-0", "g-1"]  # the rollout's failure reruns it on that replacement
     assert pool.restarts == 1
     pool.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class PutsThenDies:
+    """Stands in for a RolloutWorker whose first instance dies after handing its episodes to the store, before it
+    could return their summaries."""
+
+    def __init__(self, spec, tokenizer_path, config, *, version: int = 0, store=None, marker: str = ""):
+        self.store, self.marker = store, marker
+
+    def generate(self, requests, resumes=None, budget=None, temperature=None, **options):
+        from agentrl.types import Trajectory
+
+        trajectories = []
+        for r in requests:
+            t = Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
+                           env_id=r.env_id, episode=r.episode())
+            t.append_sampled([1, 2], [0.0, 0.0], 0)
+            trajectories.append(t)
+        ray.get(self.store.put.remote(trajectories))
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return [t.summary() for t in trajectories]
+
+    def set_max_trajectory_tokens(self, limit):
+        pass
+
+
+def test_what_a_dead_worker_handed_to_the_store_is_not_run_again(ray_session, tmp_path):
+    from agentrl.rollout.agent_loop import EpisodeRequest
+    from agentrl.rollout.policy_engine import EngineSpec
+    from agentrl.rollout.worker import RolloutPool
+    from agentrl.store import StoreConfig, TrajectoryStoreActor
+
+    store = TrajectoryStoreActor.remote(StoreConfig(run_dir=str(tmp_path / "run"), group_size=2))
+    pool = RolloutPool(PutsThenDies, 1, (EngineSpec(model="v0"), "tok", None), {"marker": str(tmp_path / "died")},
+                       store=store)
+    asks = [EpisodeRequest(env_id="toy", task_index=i, group_id="g", trajectory_id=f"g-{i}") for i in range(2)]
+    try:
+        back = pool.generate(asks, to_store=True)  # a rerun would put them twice: the store refuses that
+        stats = ray.get(store.stats.remote())
+    finally:
+        pool.shutdown()
+        ray.kill(store)
+    assert pool.restarts == 1 and os.path.exists(tmp_path / "died")
+    assert sorted(s.trajectory_id for s in back) == ["g-0", "g-1"] and all(s.num_sampled == 2 for s in back)
+    assert stats["trajectories_put"] == 2 and stats["complete_groups"] == 1

@@ -26,14 +26,46 @@ SHORT = ["rollout.group_size=2", "rollout.groups_per_step=2", "env.eval_tasks=4"
          "trainer.num_threads=1"]
 
 
+def trajectories_in(value, depth: int = 0) -> int:
+    """How many Trajectory objects `value` holds (in lists, tuples, dicts and dataclass fields)."""
+    import dataclasses
+
+    from agentrl.types import Trajectory
+
+    if isinstance(value, Trajectory):
+        return 1
+    if depth > 6 or isinstance(value, (str, bytes, int, float)):
+        return 0
+    if isinstance(value, dict):
+        return sum(trajectories_in(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return sum(trajectories_in(v, depth + 1) for v in value)
+    if dataclasses.is_dataclass(value):
+        return sum(trajectories_in(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value))
+    return 0
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode):
+def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypatch):
+    """...and the driver never holds a trajectory: every value a remote call returns to the driver process
+    (ray.get) is inspected; the tokens go from the rollout workers to the store and from the store to the trainer
+    ranks by reference."""
     from agentrl.driver import run_job
 
+    received: list[tuple[str, int]] = []  # (type, trajectories in it) of every value the driver got
+    real_get = ray_session.get
+
+    def get(refs, *args, **kwargs):
+        value = real_get(refs, *args, **kwargs)
+        received.append((type(value).__name__, trajectories_in(value)))
+        return value
+
+    monkeypatch.setattr(ray_session, "get", get)
     run_dir = str(tmp_path / mode)
     job, resolved = load_config("configs/quickstart.yaml", SHORT + [f"run_dir={run_dir}", "algorithm.steps=3",
                                                                      f"algorithm.mode={mode}"])
     final = run_job(job, resolved)
+    assert len(received) > 20 and not [r for r in received if r[1]], [r for r in received if r[1]]
     assert final["policy_version"] == 2 + 3  # two SFT steps, then three RL steps
     for key in ("rollout/reward_mean", "train/loss", "train/expert_load_max_over_mean", "time/rollout_s",
                 "store/trajectories_put", "train/train_infer_abs_logp_diff"):

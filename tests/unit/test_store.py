@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from agentrl.store import StoreConfig, TrajectoryStore
-from agentrl.types import Boundary, Status, Trajectory
+from agentrl.types import Boundary, Episode, Status, Trajectory
 
 
 def traj(tid: str, group: str, version: int = 0, status: Status = Status.COMPLETED, reward: float = 1.0,
@@ -263,7 +263,7 @@ def test_a_snapshot_must_be_partial_with_its_env_state(tmp_path):
 def stand_in(failed_id: str, group: str, tid: str) -> Trajectory:
     """A resampled member (algorithm.failed_members=resample) standing in for `failed_id`."""
     t = traj(tid, group, reward=0.0)
-    t.metadata["replaces"] = failed_id
+    t.episode = Episode(task_index=0, replaces=failed_id)
     return t
 
 

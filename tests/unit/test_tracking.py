@@ -55,9 +55,11 @@ def test_transcripts_are_logged_at_the_first_the_last_and_every_nth_step(tmp_pat
     from agentrl.types import Trajectory
 
     tracker = Tracker(TrackingConfig(experiment="t", transcripts_every=5), str(tmp_path))
-    batch = [Trajectory(trajectory_id="x", task_id="0", group_id="g", env_id="toy")]
+    episode = Trajectory(trajectory_id="x", task_id="0", group_id="g", env_id="toy")
+    batch = [episode.summary(transcript=True)]
     for step in range(1, 8):
         tracker.log_transcripts(batch, step, last=step == 7)
+    tracker.log_transcripts([episode.summary()], 10)  # a step that logs, but no summary carries a transcript
     logged = sorted(f.path for f in tracker.client.list_artifacts(tracker.run_id, "transcripts"))
     assert logged == [f"transcripts/step_{s:06d}.{ext}" for s in (1, 5, 7) for ext in ("html", "json")]
     never = Tracker(TrackingConfig(experiment="t", transcripts_every=0), str(tmp_path / "never"))

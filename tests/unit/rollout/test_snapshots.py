@@ -7,11 +7,10 @@ import asyncio
 
 import pytest
 
-from agentrl.rollout.agent_loop import AgentLoop
+from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import Generation
 from agentrl.rollout.snapshots import SnapshotReporter
-from agentrl.rollout.worker import request_of
 from agentrl.types import Status, Trajectory
 from agentrl.chat import get_format
 from agentrl.chat.tokenizers import HFTokenizer
@@ -59,7 +58,7 @@ def test_an_episode_resumed_from_its_snapshot_ends_as_the_uninterrupted_one():
     (snap,) = snapshots  # after the tool's answer: the one turn boundary of this episode
     assert snap.status == Status.PARTIAL and snap.env_state and snap.tokens == whole.tokens[: len(snap.tokens)]
     assert snap.num_sampled < whole.num_sampled and snap.timings["episode_s"] > 0
-    resumed = asyncio.run(loop.run(request_of(snap), resume=snap))
+    resumed = asyncio.run(loop.run(EpisodeRequest.of(snap), resume=snap))
     assert resumed.status == Status.COMPLETED and resumed.reward == whole.reward == 1.0
     assert (resumed.tokens, resumed.loss_mask, resumed.logprobs) == (whole.tokens, whole.loss_mask, whole.logprobs)
     assert [(t.role, t.start, t.end) for t in resumed.turns] == [(t.role, t.start, t.end) for t in whole.turns]
@@ -86,8 +85,8 @@ def test_progress_counts_the_turn_being_streamed():
 
 def test_resuming_what_the_agent_loop_did_not_start_is_refused():
     t = Trajectory(trajectory_id="x", task_id="0", group_id="g", env_id="e", status=Status.PARTIAL)
-    with pytest.raises(ValueError, match="cannot be resumed: its metadata lacks"):
-        request_of(t)
+    with pytest.raises(ValueError, match="cannot be resumed: it holds no episode state"):
+        EpisodeRequest.of(t)
 
 
 def test_the_interval_must_be_positive():
