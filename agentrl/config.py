@@ -206,6 +206,13 @@ class JobConfig:
             raise ValueError(f"rollout.group_size={self.rollout.group_size} cannot train trainer.loss.kind="
                              f"{self.trainer.loss.kind!r}: its advantage is each reward minus its group's mean, which "
                              "is 0 in a group of one. Use rollout.group_size >= 2")
+        if self.rollout.weight_sync.mode == "memory" and self.rollout.engine.implementation == "upstream":
+            raise ValueError("rollout.weight_sync.mode=memory streams into agentrl's vLLM model; "
+                             "rollout.engine.implementation=upstream serves vLLM's own, which reloads from disk: set "
+                             "rollout.weight_sync.mode=disk (or the implementation to agentrl)")
+        if self.cluster.trainer_ranks % self.trainer.context_parallel:
+            raise ValueError(f"trainer.context_parallel={self.trainer.context_parallel} must divide "
+                             f"cluster.trainer_ranks={self.cluster.trainer_ranks}")
         if self.cluster.trainer_ranks % self.trainer.expert_parallel:
             raise ValueError(f"trainer.expert_parallel={self.trainer.expert_parallel} must divide "
                              f"cluster.trainer_ranks={self.cluster.trainer_ranks}")

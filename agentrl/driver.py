@@ -128,11 +128,13 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     sampler = TaskSampler(job)
     step = state.get("rl_step", 0)
     tracker.log_metrics({"phase/setup_s": time.perf_counter() - t0}, step=step)
-    log.info("job ready in %.0fs: policy version %d, rl step %d", time.perf_counter() - t0, weights.version, step)
+    version = weights.version
+    log.info("job ready in %.0fs: policy version %d, rl step %d", time.perf_counter() - t0, version, step)
 
     if state.get("phase", "rl") == "sft":
-        weights = warm_start(job, trainer, metrics_log, pool, sampler, stop, first_step=state.get("sft_step", 0) + 1)
-        pool.update_weights(weights.path, weights.version)
+        warm_start(job, trainer, metrics_log, pool, sampler, stop, first_step=state.get("sft_step", 0) + 1)
+        version = publish(job, trainer, pool).version
+        write_to_disk(trainer, pool)  # the warm-started policy, as weights/v{N}
         trainer.save_checkpoint({"store_position": 0, "rl_step": 0, "phase": "rl", **metrics_log.state()})
         metrics_log.flush()  # SFT is done
     if not rl:
@@ -149,13 +151,14 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         done = ray.get(store.held_results.remote(held)) if held else []  # the step's metrics count them
         skip = set(held)
         fresh = [r for r in requests if r.trajectory_id not in skip]
-        resumed = ray.get(store.take_snapshots.remote([r.trajectory_id for r in fresh]))
+        resumed = ray.get(store.hand_out_snapshots.remote([r.trajectory_id for r in fresh]))
         running = {t.trajectory_id for t in resumed}
         fresh = [r for r in fresh if r.trajectory_id not in running]
-        # with the policy version serving when they start (async: one behind the one trained meanwhile)
-        # the workers hand the trajectories to the store and return their summaries
-        return pool.submit(fresh, ray.get(store.take_partials.remote()) + resumed, job.rollout.token_budget,
-                           to_store=True, transcripts=job.tracking.transcripts_per_step), weights.version, done
+        # with the policy version serving when they start (async: one behind the one trained meanwhile); the paused
+        # and snapshotted episodes reach the workers by reference, and the workers hand the trajectories to the store
+        # and return their summaries
+        return pool.submit(fresh, ray.get(store.hand_out_partials.remote()) + resumed, job.rollout.token_budget,
+                           to_store=True, transcripts=job.tracking.transcripts_per_step), version, done
 
     if step == 0:  # a resumed run evaluated when it started (and at its eval_every steps)
         metrics_log.add(step, evaluate(pool, job, sampler))
@@ -176,7 +179,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         # was dropped); async: wait for a full batch. The batch goes from the store to the trainer ranks by
         # reference; the driver sees which groups train
         selected, batch = store.take_training_batch.options(num_returns=2).remote(
-            job.rollout.groups_per_step, weights.version, job.algorithm.max_staleness,
+            job.rollout.groups_per_step, version, job.algorithm.max_staleness,
             min_groups=1 if job.algorithm.mode == "sync" else None,
             skip_uniform_groups=job.algorithm.skip_uniform_groups,
             drop_short_groups=job.algorithm.failed_members == "drop")
@@ -187,27 +190,26 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         train = trainer.step(batch) if selected.trajectories else {}                        # train
         train_s = time.perf_counter() - t_train
         del batch  # the object store frees the batch once the ranks have it
-        if selected.trajectories:
-            weights = trainer.publish_weights()                                             # publish
-            t_sync = time.perf_counter()
-            pool.update_weights(weights.path, weights.version)                              # sync
-            sync_s = time.perf_counter() - t_sync
-        else:
-            sync_s = 0.0
+        published = publish(job, trainer, pool) if selected.trajectories else None             # weights to engines
+        version = published.version if published else version
         step += 1
         if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
             in_flight = submit_rollout(step)
+        every = job.rollout.weight_sync.publish_every
+        write_s = write_to_disk(trainer, pool) if step == job.algorithm.steps or every and step % every == 0 else 0.0
         store_stats = ray.get(store.stats.remote())
         groups = GroupReport.of(job.rollout.groups_per_step, selected, dropped_before, store_stats)
         metrics = {**rollout_metrics(episodes), **{f"train/{k}": v for k, v in train.items()},
                    "train/uniform_groups": selected.uniform, "train/short_groups_dropped": selected.short,
                    "train/groups_trained": groups.trained,
                    **{f"store/{k}": v for k, v in store_stats.items()},
-                   "policy_version": weights.version, "rollout/submitted_version": submitted_version,
+                   "policy_version": version, "rollout/submitted_version": submitted_version,
                    "context/max_trajectory_tokens": limit,
-                   "time/rollout_s": rollout_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                   "time/rollout_s": rollout_s, "time/train_s": train_s,
+                   "time/sync_s": published.sync_s if published else 0.0,
                    "time/step_s": time.perf_counter() - t_step,
-                   "weights/publish_s": weights.gather_s + weights.write_s}
+                   "weights/publish_s": (published.write_s if published else 0.0) + write_s,
+                   "weights/sync_bytes": published.num_bytes if published else 0}
         if job.algorithm.eval_every and step % job.algorithm.eval_every == 0 or step == job.algorithm.steps:
             metrics.update(evaluate(pool, job, sampler))
         t_log = time.perf_counter()
@@ -221,12 +223,46 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
             metrics_log.flush(log_s=time.perf_counter() - t_log)                                # log
         progress.report(step, metrics, groups, describe_failures(episodes), time.perf_counter() - t_step)
         if stopping:
+            write_to_disk(trainer, pool)  # `agentrl eval` of the stopped run reads the weights it stopped at
             raise stop.interrupted(f"RL step {step} of {job.algorithm.steps}")
         watch.observe(episodes, step)  # after the checkpoint: a fixed env resumes from here
     return metrics
 
 
 # --- the pieces the loop calls ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class Published:
+    """New weights in every rollout engine."""
+
+    version: int
+    sync_s: float  # from the trainer into every engine, writing included (disk mode)
+    write_s: float = 0.0  # writing weights/v{N} (disk mode)
+    num_bytes: int = 0
+
+
+def publish(job: JobConfig, trainer, pool) -> Published:
+    """The trainer's current weights into every rollout engine: streamed in memory, layer by layer
+    (rollout.weight_sync.mode=memory), or written to weights/v{N} and reloaded by each engine (disk)."""
+    t0 = time.perf_counter()
+    if job.rollout.weight_sync.mode == "memory":
+        record = pool.sync_weights(trainer, job.rollout.weight_sync)
+        return Published(version=record.version, sync_s=time.perf_counter() - t0, num_bytes=record.num_bytes)
+    weights = trainer.publish_weights()
+    pool.update_weights(weights.path, weights.version)
+    return Published(version=weights.version, sync_s=time.perf_counter() - t0,
+                     write_s=weights.gather_s + weights.write_s, num_bytes=weights.num_bytes)
+
+
+def write_to_disk(trainer, pool) -> float:
+    """Writes weights/v{N} of the version the engines serve unless it is on disk already (synced in memory); it is
+    what `agentrl eval` reads and what a replaced rollout worker starts from. Returns the seconds it took."""
+    if pool.weights[1] == pool.version:
+        return 0.0
+    weights = trainer.publish_weights()
+    pool.published(weights.path, weights.version)
+    return weights.gather_s + weights.write_s
+
+
 def connect(job: JobConfig) -> None:
     """ray.init: the configured address, else RAY_ADDRESS, else a local instance."""
     import ray
@@ -387,6 +423,7 @@ def engine_spec(job: JobConfig, weights_path: str) -> EngineSpec:
     e = job.rollout.engine
     return EngineSpec(model=weights_path, dtype=e.dtype, max_model_len=e.max_model_len,
                       kv_cache_memory_bytes=e.kv_cache_mb << 20, seed=job.seed, implementation=e.implementation,
+                      max_num_seqs=job.rollout.max_concurrent_episodes,
                       return_routed_experts=job.trainer.routing_replay)
 
 
@@ -468,8 +505,8 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
 
 
 def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampler: TaskSampler, stop: StopRequest, *,
-               first_step: int = 1):
-    """SFT on oracle trajectories of the training tasks; returns the published weights. A checkpoint every
+               first_step: int = 1) -> None:
+    """SFT on oracle trajectories of the training tasks (the caller publishes the result). A checkpoint every
     `checkpoint_every` SFT steps (its steps' metrics reach MLflow then); the caller checkpoints the end.
 
     With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
@@ -512,8 +549,7 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             if warmup is not None:
                 pool.collect(warmup)
                 warmup = None
-            weights = trainer.publish_weights()
-            pool.update_weights(weights.path, weights.version)
+            publish(job, trainer, pool)
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
@@ -536,7 +572,6 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
     if algo.sft_lr is not None:
         trainer.set_lr(job.trainer.lr)
     trainer.reset_reference()  # RL's KL term (kl_coef > 0) anchors to the warm-started policy
-    return trainer.publish_weights()
 
 
 def model_directory(path: str) -> str:

@@ -1,10 +1,12 @@
 """The trajectory store: a buffer of trajectories between the rollout workers and the trainer, persisted as it fills.
 
 Rollout workers `put` finished trajectories (a whole GRPO group at once or one by one) and `put_partial` the ones
-an iteration's token budget paused, straight from the worker (the driver sees summaries only); while episodes run, their workers `report` snapshots taken at turn boundaries and
-how far each episode has got (agentrl.rollout.snapshots), so that an episode whose worker or run died resumes from
-its last snapshot (`take_snapshots`) instead of starting over; the driver asks
-`take_batch(num_groups, current_version, max_staleness)` for
+an iteration's token budget paused, straight from the worker (the driver sees summaries only); while episodes run,
+their workers `report` snapshots taken at turn boundaries and how far each episode has got
+(agentrl.rollout.snapshots), so that an episode whose worker or run died resumes from its last snapshot
+(`take_snapshots`) instead of starting over. The Ray actor hands paused and snapshotted episodes out by reference
+(`hand_out_partials`, `hand_out_snapshots`). The driver asks `take_batch(num_groups, current_version,
+max_staleness)` (or `take_training_batch`, whose trajectories go to the trainer ranks by reference) for
 training data. The store hands out *complete* groups only (all `group_size` members arrived), oldest first in the
 order they completed, and only their trainable members (completed or truncated, with sampled tokens).
 
@@ -51,7 +53,7 @@ import pyarrow.parquet as pq
 from datasets import Features, List, Value
 
 from agentrl.reward import select_trainable
-from agentrl.types import EpisodeSummary, Status, Trajectory
+from agentrl.types import EpisodeSummary, ResumePoint, Status, Trajectory
 
 STORE_DIR = "store"
 SHARD_DIR = "trajectories"
@@ -67,7 +69,8 @@ ROW_FEATURES = Features({
     "reward_components": Value("string"), "status": Value("string"), "failure": Value("string"),
     "error": Value("string"), "turns": Value("string"), "tool_calls": Value("string"),
     "num_tool_errors": Value("int64"), "timings": Value("string"), "env_state": Value("binary"),
-    "episode": Value("string"), "prefix_cache": Value("string"), "metadata": Value("string"), "seq": Value("int64"), "kind": Value("string"),
+    "episode": Value("string"), "prefix_cache": Value("string"), "metadata": Value("string"), "seq": Value("int64"),
+    "kind": Value("string"),
 })
 
 
@@ -562,12 +565,28 @@ def _read_events(path: str) -> list[dict[str, Any]]:
 _actor_class = None
 
 
+def _store_actor_class():
+    """The store as a Ray actor. Besides TrajectoryStore's methods it hands out the episodes to resume as ResumePoints
+    (ids and an object reference to the trajectory): the driver routes them to rollout workers, which read the
+    tokens from the object store."""
+    import ray
+
+    class TrajectoryStoreActor(TrajectoryStore):
+        def hand_out_partials(self, max_count: int | None = None) -> list[ResumePoint]:
+            """`take_partials`, by reference."""
+            return [ResumePoint.of(t, ray.put(t)) for t in self.take_partials(max_count)]
+
+        def hand_out_snapshots(self, trajectory_ids: list[str]) -> list[ResumePoint]:
+            """`take_snapshots`, by reference."""
+            return [ResumePoint.of(t, ray.put(t)) for t in self.take_snapshots(trajectory_ids)]
+
+    return ray.remote(num_cpus=0)(TrajectoryStoreActor)
+
+
 def __getattr__(name: str):
     if name == "TrajectoryStoreActor":
         global _actor_class
         if _actor_class is None:
-            import ray
-
-            _actor_class = ray.remote(num_cpus=0)(TrajectoryStore)
+            _actor_class = _store_actor_class()
         return _actor_class
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -65,6 +65,25 @@ class Episode:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class ResumePoint:
+    """An episode to continue — paused by a token budget, or snapshotted at a turn boundary before its worker died —
+    as the store hands it out: its ids for whoever routes it, its trajectory by reference (a Ray ObjectRef the
+    rollout worker resolves), so that the tokens go from the store to the worker without passing through the
+    driver."""
+
+    trajectory_id: str
+    group_id: str
+    env_id: str
+    episode: Episode | None
+    trajectory: Any  # ray.ObjectRef to the PARTIAL Trajectory
+
+    @classmethod
+    def of(cls, trajectory: Trajectory, ref: Any) -> ResumePoint:
+        return cls(trajectory_id=trajectory.trajectory_id, group_id=trajectory.group_id, env_id=trajectory.env_id,
+                   episode=copy.deepcopy(trajectory.episode), trajectory=ref)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class EpisodeSummary:
     """What the driver sees of one episode whose trajectory went to the store: counts, the reward, how it ended and,
     for a few episodes per step (transcripts to log), the turns' text."""

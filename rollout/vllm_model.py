@@ -126,8 +126,9 @@ class VllmKDA(KimiDeltaAttention, MambaBase):
                                                          self.cache_config.mamba_ssm_cache_dtype)
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state: KDAState | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, None]:
-        """The step's tokens → KDA output; request boundaries and states come from vLLM, not from the arguments."""
+                use_cache: bool = False, shard: None = None) -> tuple[torch.Tensor, None]:
+        """The step's tokens → KDA output; request boundaries and states come from vLLM, not from the arguments
+        (`shard`, context parallelism, is for training: always None here)."""
         out_TD = torch.zeros_like(x_TD)
         m = _kda_metadata(self.prefix)
         if m is None:
@@ -166,8 +167,8 @@ class VllmMLA(GatedMLA):
         self.attn = Attention(self.num_heads, self.padded_head, self.scale, num_kv_heads=self.num_heads,
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
 
-    def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state=None, use_cache: bool = False
-                ) -> tuple[torch.Tensor, None]:
+    def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state=None, use_cache: bool = False,
+                shard: None = None) -> tuple[torch.Tensor, None]:
         num_tokens = x_TD.shape[0]
         qk_dim = self.nope_dim + self.pe_dim
         q = self.q_proj(x_TD) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
@@ -254,15 +255,17 @@ class AgentRLHybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMamba
         return self.lm_head(hidden_states)
 
     # --- weights -------------------------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     expert_slices: dict[str, int] | None = None) -> set[str]:
         """Copies checkpoint-named tensors into the model in place; returns the parameter names it wrote.
 
-        A routed-experts parameter counts as written once every expert's slice has arrived. Unknown names and shape
+        A routed-experts parameter counts as written once every expert's slice has arrived; `expert_slices` carries
+        the count across calls (a transfer whose buckets split a layer's experts). Unknown names and shape
         mismatches raise ValueError.
         """
         targets = dict(self.named_parameters())
         targets.update((n, b) for n, b in self.named_buffers() if n.endswith("e_score_correction_bias"))
-        expert_slices: dict[str, int] = {}
+        expert_slices = {} if expert_slices is None else expert_slices
         loaded: set[str] = set()
         with torch.no_grad():
             for name, tensor in weights:

@@ -1,4 +1,5 @@
-"""vLLM general plugin: registers agentrl's hybrid model with vLLM's model registry.
+"""vLLM general plugin: registers agentrl's hybrid model with vLLM's model registry, and agentrl's weight-transfer
+backend (rollout/weight_transfer.py) with vLLM's.
 
 vLLM calls `register()` in every process it starts (front end, engine core, workers) through the entry point
 
@@ -27,9 +28,15 @@ MODEL_TYPE = "agentrl_hybrid"
 def register() -> None:
     end_with_parent()
     from vllm import ModelRegistry
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"agentrl.rollout.vllm_model:{ARCHITECTURE}")
+    try:  # in-memory weight syncs (rollout/weight_transfer.py), loaded when an engine asks for the backend
+        WeightTransferEngineFactory.register_engine("agentrl", "agentrl.rollout.weight_transfer",
+                                                    "AgentrlWeightTransfer")
+    except ValueError:
+        pass  # registered already in this process
 
 
 def end_with_parent() -> None:

@@ -7,9 +7,11 @@ reset that must follow a weight change and happens in the scheduler, not here.
 
 Weight updates copy tensors into the running model's parameters (agentrl's vLLM model uses plain PyTorch modules,
 so nothing is repacked and nothing needs re-processing). Sources:
-- a checkpoint directory written by `HybridMoEForCausalLM.save_pretrained` (read shard by shard), and
-- any iterable of (checkpoint name, tensor): `load_weights_in_place(model, weights)` is the entry point a shared-
-  memory or NCCL receiver running in the worker calls; over RPC the tensors travel pickled.
+- a checkpoint directory written by `HybridMoEForCausalLM.save_pretrained` (read shard by shard);
+- buckets streamed from the trainer through vLLM's weight-transfer API (weight_transfer.py), committed with
+  `agentrl_commit_weights`;
+- any iterable of (checkpoint name, tensor) with an in-process engine (over RPC the tensors would travel pickled,
+  which a multi-process engine refuses: use the transfer API).
 A full update must cover every parameter (and the routers' selection biases); `strict=False` allows a subset.
 """
 
@@ -64,6 +66,10 @@ class WorkerExtension:
         step = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
+            if getattr(runner.get_model(), "agentrl_transfer", None) is not None and \
+                    scheduler_output.total_num_scheduled_tokens:  # never sample from a mix of two weight versions
+                raise RuntimeError("the engine was asked to run while its weights are mid-update (a transfer began "
+                                   "and was not committed): restore complete weights first")
             if recorder is not None:
                 recorder.before_step(scheduler_output)
             out = step(scheduler_output, *args, **kwargs)
@@ -81,12 +87,38 @@ class WorkerExtension:
     def agentrl_weight_version(self) -> int:
         return self._agentrl_version
 
+    def agentrl_transfer_state(self) -> dict:
+        """The served version, and whether an in-memory transfer is open (the engine refuses to run until it is
+        committed or complete weights are loaded) with how many tensors it still lacks."""
+        model = self.model_runner.get_model()
+        transfer = getattr(model, "agentrl_transfer", None)
+        return {"version": self._agentrl_version, "transfer_open": transfer is not None,
+                "missing": len(transfer.missing(model)) if transfer is not None else 0}
+
     def agentrl_update_weights_from_checkpoint(self, directory: str, version: int, strict: bool = True) -> int:
-        """Loads a checkpoint directory in place and serves it as `version`; returns the tensor count."""
-        count = load_weights_in_place(self.model_runner.get_model(), iter_checkpoint_tensors(directory),
-                                      strict=strict)
+        """Loads a checkpoint directory in place and serves it as `version`; returns the tensor count. A complete
+        load also ends a transfer that stopped half way (weight_transfer.py)."""
+        model = self.model_runner.get_model()
+        count = load_weights_in_place(model, iter_checkpoint_tensors(directory), strict=strict)
+        if strict:
+            model.agentrl_transfer = None
         self._agentrl_version = version
         return count
+
+    def agentrl_commit_weights(self, version: int) -> int:
+        """Ends an in-memory transfer (weight_transfer.py): serves `version` if every tensor arrived, else raises
+        ValueError naming the missing ones and keeps refusing to run. Returns the buckets received."""
+        model = self.model_runner.get_model()
+        transfer = getattr(model, "agentrl_transfer", None)
+        if transfer is None:
+            raise RuntimeError(f"no weight transfer to commit as version {version}")
+        missing = transfer.missing(model)
+        if missing:
+            raise ValueError(f"weight transfer to version {version} is missing {len(missing)} tensors, e.g. "
+                             f"{missing[:5]}: the engine keeps refusing to run until complete weights are loaded")
+        model.agentrl_transfer = None
+        self._agentrl_version = version
+        return transfer.buckets
 
     def agentrl_update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
                                strict: bool = True) -> int:

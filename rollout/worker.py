@@ -5,10 +5,12 @@ Ray shell the driver places on the cluster. It is an async actor, so `update_wei
 flight: generation pauses, the weights change, and the episodes continue under the new version.
 
 RL episodes go to the trajectory store from the worker that ran them (`to_store`): the caller gets only their
-summaries (agentrl.types.EpisodeSummary: counts, rewards, a few transcripts), so the tokens never pass through the
+summaries (agentrl.types.EpisodeSummary: counts, rewards, a few transcripts), and the episodes to continue arrive as
+ResumePoints whose trajectories the worker reads from the object store, so the tokens never pass through the
 driver. `RolloutPool` is the caller's side: it spreads episode requests over the workers, detects a dead worker,
-replaces it and reruns the requests it held that the store had not received. A worker whose vLLM engine core died ends its own process (vLLM cannot rebuild a
-dead engine in place), so that the pool replaces it the same way and its episodes are rerun, not failed.
+replaces it and reruns the requests it held that the store had not received. A worker whose vLLM engine core died
+ends its own process (vLLM cannot rebuild a dead engine in place), so that the pool replaces it the same way and its
+episodes are rerun, not failed.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import logging
 import os
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentrl.rollout.agent_loop import AgentLoop, EnvPool, EpisodeRequest, TokenBudget
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 from agentrl.rollout.snapshots import SnapshotReporter
-from agentrl.types import Boundary, EpisodeSummary, Status, Trajectory
+from agentrl.types import Boundary, EpisodeSummary, ResumePoint, Status, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class RolloutWorker:
         self.max_trajectory_tokens = config.max_trajectory_tokens  # the context schedule moves it
         self.loop = AgentLoop(engine, self.chat, config, self.envs) if engine is not None else None
         self._starting: asyncio.Lock | None = None
+        self._sync: _Transfer | None = None  # an in-memory weight transfer in progress
         # the store actor the RL episodes report to while they run (for lossless resume) and end in (None: no store)
         self.store = store
         self.reporter = (SnapshotReporter(store, interval_s=config.snapshot_interval_s, snapshots=config.snapshots)
@@ -64,11 +67,12 @@ class RolloutWorker:
                                           max_trajectory_tokens=self.max_trajectory_tokens)
         return self.engine
 
-    async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+    async def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory | ResumePoint] | None = None,
                        token_budget: int | None = None, temperature: float | None = None, *,
                        to_store: bool = False, summarize: bool = False,
                        transcripts: int = 0) -> list[Trajectory] | list[EpisodeSummary]:
-        """Runs the requested episodes and continues the partial ones, all concurrently; returns every trajectory
+        """Runs the requested episodes and continues the partial ones (`resumes`: trajectories, or ResumePoints whose
+        trajectories this worker reads from the object store), all concurrently; returns every trajectory
         (completed, truncated, failed — or partial when `token_budget` sampled tokens were spent first).
         `temperature` overrides the sampling temperature for these episodes (0: greedy, for evaluation).
 
@@ -91,7 +95,8 @@ class RolloutWorker:
             async with semaphore:
                 return await loop.run(request, budget, resume, reporter)
 
-        jobs = [one(r, None) for r in requests] + [one(EpisodeRequest.of(p), p) for p in resumes or []]
+        partials = await _resolved(resumes or [])
+        jobs = [one(r, None) for r in requests] + [one(EpisodeRequest.of(p), p) for p in partials]
         t0 = time.perf_counter()
         trajectories = list(await asyncio.gather(*jobs))
         self._end_if_engine_died()  # its episodes failed at the model boundary for want of an engine
@@ -110,6 +115,69 @@ class RolloutWorker:
             self._end_if_engine_died()
             raise
         return engine.version
+
+    # --- in-memory weight syncs: trainer rank 0 calls these through WorkerReceivers --------------------------------
+    async def begin_weight_sync(self, version: int, restore: tuple[str, int], timeout_s: float) -> None:
+        """Pauses the engine and opens a transfer to `version`. Until `finish_weight_sync` the engine serves
+        nothing; a transfer that fails, or hears nothing for `timeout_s`, ends by loading the complete weights at
+        `restore` (path, version) instead — or, if that fails too, by ending this worker."""
+        engine = await self._ready()
+        self._sync = _Transfer(version, restore, timeout_s)
+        await engine.begin_sync()
+        self._sync.watchdog = asyncio.ensure_future(self._watch_sync(self._sync))
+
+    async def load_weights_bucket(self, bucket: dict) -> None:
+        await self._in_sync(self._ready_engine().load_bucket(bucket))
+
+    async def finish_weight_sync(self, version: int) -> int:
+        """Serves the transferred weights as `version` (every tensor arrived) and resumes generation."""
+        await self._in_sync(self._ready_engine().commit_sync(version))
+        self._sync.watchdog.cancel()
+        self._sync = None
+        return self.engine.version
+
+    async def _in_sync(self, call) -> None:
+        """Runs a step of the open transfer; if it fails, restores complete weights (or ends this worker) and
+        re-raises, so the sender counts this worker out."""
+        sync = self._sync
+        if sync is None:
+            call.close()
+            raise RuntimeError("no weight transfer is open on this worker (begin_weight_sync first)")
+        sync.last = time.monotonic()
+        try:
+            await call
+        except Exception:
+            self._end_if_engine_died()
+            await self._restore(sync, "failed")
+            raise
+
+    async def _watch_sync(self, sync: _Transfer) -> None:
+        while self._sync is sync:
+            idle = time.monotonic() - sync.last
+            if idle >= sync.timeout_s:
+                await self._restore(sync, f"heard nothing for {idle:.0f}s")
+                return
+            await asyncio.sleep(min(1.0, sync.timeout_s - idle))
+
+    async def _restore(self, sync: _Transfer, why: str) -> None:
+        if self._sync is not sync:
+            return  # restored already (the watchdog and a failed call both saw it)
+        self._sync = None
+        if sync.watchdog is not None and sync.watchdog is not asyncio.current_task():
+            sync.watchdog.cancel()
+        path, version = sync.restore
+        log.error("weight transfer to version %d %s: loading version %d from %s", sync.version, why, version, path)
+        try:
+            await self.engine.restore(path, version)
+        except Exception:
+            log.exception("restoring complete weights failed: ending this worker so that it is replaced")
+            self.envs.close()
+            os._exit(1)
+
+    def _ready_engine(self) -> PolicyEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine is not started")
+        return self.engine
 
     async def version(self) -> int:
         return (await self._ready()).version
@@ -143,6 +211,24 @@ class RolloutWorker:
             self.engine.shutdown()
 
 
+@dataclass(slots=True)
+class _Transfer:
+    """An in-memory weight transfer open on a worker."""
+
+    version: int
+    restore: tuple[str, int]  # complete weights to fall back on: (path, version)
+    timeout_s: float
+    last: float = field(default_factory=time.monotonic)  # when the sender was last heard
+    watchdog: Any = None
+
+
+async def _resolved(resumes: list[Trajectory | ResumePoint]) -> list[Trajectory]:
+    """The trajectories to continue: ResumePoints' read from the object store (the store put them there)."""
+    refs = [r.trajectory for r in resumes if isinstance(r, ResumePoint)]
+    fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
+    return [next(fetched) if isinstance(r, ResumePoint) else r for r in resumes]
+
+
 async def put_results(store: Any, trajectories: list[Trajectory]) -> None:
     """Hands episodes' results to the store actor: the finished ones (`put`) and the paused ones (`put_partial`)."""
     finished = [t for t in trajectories if t.status != Status.PARTIAL]
@@ -173,7 +259,11 @@ class RolloutPool:
         self.actor_cls, self.args, self.kwargs = actor_cls, args, {**(kwargs or {}), "store": store}
         self.store = store  # the store actor: running RL episodes report to it and a rerun resumes their snapshots
         self.workers = [self._start() for _ in range(num_workers)]
-        self.weights: tuple[str, int] | None = None
+        # complete weights on disk, (path, version): what a replacement starts from, and an engine whose in-memory
+        # transfer failed falls back on
+        self.weights: tuple[str, int] = (args[0].model, self.kwargs.get("version", 0))
+        self.version = self.weights[1]  # the version the engines serve
+        self._weight_source: tuple[Any, Any] | None = None  # (trainer group, rollout.weight_sync) of in-memory syncs
         self.max_trajectory_tokens: int | None = None  # the context schedule's limit, once set
         self.restarts = 0
 
@@ -190,15 +280,16 @@ class RolloutPool:
         self.restarts += 1
         log.warning("rollout worker %d died; starting a replacement", index)
         spec, *rest = self.args
-        kwargs = dict(self.kwargs)
-        if self.weights is not None:  # built on the weights now served: the ones it started with may be pruned
-            spec = replace(spec, model=self.weights[0])
-            kwargs["version"] = self.weights[1]
-        self.workers[index] = self.actor_cls.remote(spec, *rest, **kwargs)
+        # built on the newest complete weights on disk (the ones it started with may be pruned), then brought to the
+        # version the others serve if that one only exists in memory
+        spec = replace(spec, model=self.weights[0])
+        self.workers[index] = self.actor_cls.remote(spec, *rest, **{**self.kwargs, "version": self.weights[1]})
         if self.max_trajectory_tokens is not None:
             ray.get(self.workers[index].set_max_trajectory_tokens.remote(self.max_trajectory_tokens))
+        if self._weight_source is not None and self.version != self.weights[1]:
+            self._stream([index])
 
-    def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+    def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory | ResumePoint] | None = None,
                token_budget: int | None = None, temperature: float | None = None, *, to_store: bool = False,
                summarize: bool = False, transcripts: int = 0) -> list[Share]:
         """Starts the episodes on the workers without waiting; `collect` returns them (RolloutWorker.generate says
@@ -250,7 +341,7 @@ class RolloutPool:
         ids = [r.trajectory_id for r in share.requests] + [p.trajectory_id for p in share.partials]
         held = ray.get(self.store.held_results.remote(ids, paused=True))
         done = {t.trajectory_id for t in held}
-        snapshots = {t.trajectory_id: t for t in ray.get(self.store.take_snapshots.remote(
+        snapshots = {t.trajectory_id: t for t in ray.get(self.store.hand_out_snapshots.remote(
             [i for i in ids if i not in done]))}
         if done or snapshots:
             log.info("rerunning a dead worker's share: %d episode(s) the store had received, %d resume from their "
@@ -273,7 +364,7 @@ class RolloutPool:
             return [t.summary() for t in failed]
         return failed
 
-    def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory] | None = None,
+    def generate(self, requests: list[EpisodeRequest], resumes: list[Trajectory | ResumePoint] | None = None,
                  token_budget: int | None = None, temperature: float | None = None, *, to_store: bool = False,
                  summarize: bool = False, transcripts: int = 0) -> list[Trajectory] | list[EpisodeSummary]:
         return self.collect(self.submit(requests, resumes, token_budget, temperature, to_store=to_store,
@@ -291,10 +382,52 @@ class RolloutPool:
             except ray.exceptions.RayActorError:
                 self._replace(i, workers[i])
 
+    def sync_weights(self, trainer: Any, config: Any) -> Any:
+        """The trainer's current weights into every engine, in memory (trainer/weight_stream.py; `config` is
+        rollout.weight_sync); returns the trainer's SyncRecord. Workers that failed the transfer (they fell back on
+        complete weights, or died) are replaced if dead and sent the weights again, once."""
+        self._weight_source = (trainer, config)
+        record = self._stream(range(len(self.workers)))
+        self.version = record.version
+        if record.failed:
+            log.warning("%d rollout worker(s) missed the weight sync to version %d: syncing them again",
+                        len(record.failed), record.version)
+            for i in record.failed:
+                self._replace_if_dead(i)
+            again = self._stream(record.failed)
+            if again.failed:
+                raise RuntimeError(f"rollout workers {again.failed} failed two weight syncs to version "
+                                   f"{record.version} in a row: {again.errors}")
+        return record
+
+    def _stream(self, indices) -> Any:
+        trainer, config = self._weight_source
+        receivers = WorkerReceivers([self.workers[i] for i in indices], self.weights, config.timeout_s)
+        record = trainer.sync_weights(receivers, bucket_bytes=config.bucket_mb << 20, dtype=self.args[0].dtype)
+        chosen = list(indices)
+        record.failed = [chosen[j] for j in record.failed]
+        record.errors = {chosen[j]: message for j, message in record.errors.items()}
+        return record
+
+    def _replace_if_dead(self, index: int) -> None:
+        import ray
+
+        worker = self.workers[index]
+        try:
+            ray.get(worker.ping.remote())
+        except ray.exceptions.RayActorError:
+            self._replace(index, worker)
+
+    def published(self, path: str, version: int) -> None:
+        """Complete weights written to disk at `path` as `version` (the engines were synced in memory)."""
+        self.weights = (path, version)
+
     def update_weights(self, path: str, version: int) -> None:
+        """Every engine reloads the weights written at `path` as `version` (rollout.weight_sync.mode=disk)."""
         import ray
 
         self.weights = (path, version)
+        self.version = version
         workers = list(self.workers)
         refs = [w.update_weights.remote(path, version) for w in workers]
         for i, ref in enumerate(refs):
@@ -310,13 +443,69 @@ class RolloutPool:
             ray.kill(worker)
 
 
+class WorkerReceivers:
+    """Rollout workers as the receivers of an in-memory weight sync (trainer/weight_stream.Receivers). The trainer's
+    rank 0 calls it, so the buckets' descriptions go from the trainer to the workers without the driver; a worker
+    that fails a call is left out of the rest of the transfer and listed in `failed`."""
+
+    def __init__(self, workers: list[Any], restore: tuple[str, int], timeout_s: float):
+        self.workers, self.restore, self.timeout_s = list(workers), restore, timeout_s
+        self.failed: list[int] = []
+        self.errors: dict[int, str] = {}  # what each failed worker's call raised
+
+    def begin(self, version: int) -> None:
+        self._wait({i: w.begin_weight_sync.remote(version, self.restore, self.timeout_s) for i, w in self._live()})
+
+    def load(self, bucket: dict):
+        refs = {i: w.load_weights_bucket.remote(bucket) for i, w in self._live()}
+        return lambda: self._wait(refs)
+
+    def finish(self, version: int) -> None:
+        self._wait({i: w.finish_weight_sync.remote(version) for i, w in self._live()})
+
+    def _live(self) -> list[tuple[int, Any]]:
+        return [(i, w) for i, w in enumerate(self.workers) if i not in self.failed]
+
+    def _wait(self, refs: dict[int, Any]) -> None:
+        import ray
+
+        for i, ref in refs.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                message = str(exc).strip().splitlines()[-1]
+                log.warning("rollout worker %d failed a weight sync: %s", i, message)
+                if i not in self.failed:
+                    self.failed.append(i)
+                    self.errors[i] = message
+
+
+class LocalReceivers:
+    """An in-process RolloutWorker as the receiver of a weight sync (tests, benchmarks, one-process runs); `run`
+    runs a coroutine on the worker's event loop to its end."""
+
+    def __init__(self, worker: RolloutWorker, run, restore: tuple[str, int], timeout_s: float = 300.0):
+        self.worker, self.run, self.restore, self.timeout_s = worker, run, restore, timeout_s
+        self.failed: list[int] = []
+
+    def begin(self, version: int) -> None:
+        self.run(self.worker.begin_weight_sync(version, self.restore, self.timeout_s))
+
+    def load(self, bucket: dict):
+        self.run(self.worker.load_weights_bucket(bucket))
+        return lambda: None
+
+    def finish(self, version: int) -> None:
+        self.run(self.worker.finish_weight_sync(version))
+
+
 @dataclass(slots=True)
 class Share:
     """One worker's part of a submission: what it runs, how, and the call in flight."""
 
     index: int  # the worker's slot in the pool
     requests: list[EpisodeRequest]
-    partials: list[Trajectory]
+    partials: list[Trajectory | ResumePoint]
     budget: int | None
     temperature: float | None
     options: dict[str, Any]  # to_store, summarize, transcripts
@@ -328,11 +517,16 @@ def _stable_hash(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _failed(requests: list[EpisodeRequest], partials: list[Trajectory], error: str) -> list[Trajectory]:
+def _failed(requests: list[EpisodeRequest], partials: list[Trajectory | ResumePoint], error: str) -> list[Trajectory]:
+    """The episodes as FAILED at the worker boundary; a partial one keeps its tokens where the caller holds them (a
+    ResumePoint's stay in the object store: the failed record is its ids and request)."""
     out = [Trajectory(trajectory_id=r.trajectory_id, task_id=str(r.task_index), group_id=r.group_id,
                       env_id=r.env_id, status=Status.FAILED, failure=Boundary.WORKER, error=error,
                       episode=r.episode()) for r in requests]
     for p in partials:
+        if isinstance(p, ResumePoint):
+            p = Trajectory(trajectory_id=p.trajectory_id, group_id=p.group_id, env_id=p.env_id, episode=p.episode,
+                           task_id=str(p.episode.task_index) if p.episode else "")
         p.status, p.failure, p.error = Status.FAILED, Boundary.WORKER, error
         out.append(p)
     return out

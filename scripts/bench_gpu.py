@@ -6,10 +6,12 @@
     python scripts/bench_gpu.py memory       # peak memory vs sequence length (gradient checkpointing on)
     python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
     python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
+    python scripts/bench_gpu.py weight-ipc   # in-memory weight sync to a second process on the GPU (CUDA IPC) vs D2D
+    python scripts/bench_gpu.py cp-memory    # memory per rank under context parallelism (ranks sharing the GPU)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
     python scripts/bench_gpu.py profile      # wall vs GPU-busy time and torch.profiler kernel tables of one fwd+bwd
                                              # (--tokens, --models, --out FILE for the full tables)
-    python scripts/bench_gpu.py all          # throughput, gate, memory, publish, host
+    python scripts/bench_gpu.py all          # throughput, gate, memory, publish, weight-ipc, host
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
 target log-probs; fla's fused linear cross-entropy; transformers' full logits and cross-entropy. MFU is
@@ -385,6 +387,162 @@ def bench_publish() -> None:
     print(flush=True)
 
 
+def _ipc_model(name: str) -> HybridMoEForCausalLM:
+    """`small`, or Kimi Linear 48B's widths in 4 layers (3 KDA + 1 MLA, 256 experts top-8: 8.2B parameters), bf16."""
+    if name == "small":
+        config = preset_config("small")
+    else:
+        config = preset_config("kimi-linear-48b-a3b", num_hidden_layers=4,
+                               linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4]))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return HybridMoEForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _ipc_receiver(name: str, requests, replies) -> None:
+    """The second process on the GPU: builds the same model, then copies each bucket it is told of into it."""
+    from agentrl.weight_buckets import BucketMeta, unpack
+
+    torch.manual_seed(1)  # other weights than the sender's, until the buckets arrive
+    model = _ipc_model(name)
+    state = model.state_dict()
+    replies.put("ready")
+    while (message := requests.get()) is not None:
+        if message == "logits":
+            ids = torch.arange(256, device="cuda").unsqueeze(0) % model.config.vocab_size
+            with torch.no_grad():
+                replies.put(model(ids).logits.float().cpu())
+            continue
+        targets, views = [], []
+        for part, view in unpack(BucketMeta.from_dict(message)):
+            targets.append(state[part.name] if part.rows is None else state[part.name][part.rows[0]:part.rows[1]])
+            views.append(view)
+        torch._foreach_copy_(targets, views)
+        torch.cuda.synchronize()  # the sender refills the buffer once this process has read it
+        replies.put(message["index"])
+
+
+def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256), repeats: int = 5) -> None:
+    """In-memory weight sync on one GPU: the trainer's process hands a state dict (bf16) in buckets to a second
+    process through CUDA IPC (agentrl.weight_buckets, as trainer/weight_stream.py does for an engine on a shared
+    GPU), which copies each bucket into its own parameters; against a device-to-device copy of as many bytes measured
+    in the same run. The receiver's logits equal the sender's afterwards (same weights, same kernels)."""
+    import torch.multiprocessing as mp
+
+    from agentrl.weight_buckets import BucketRing, split_into_buckets
+
+    rows = []
+    for name in models:
+        ctx = mp.get_context("spawn")
+        requests, replies = ctx.Queue(), ctx.Queue()
+        receiver = ctx.Process(target=_ipc_receiver, args=(name, requests, replies))
+        receiver.start()
+        torch.manual_seed(0)
+        model = _ipc_model(name)
+        state = model.state_dict()
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        assert replies.get(timeout=600) == "ready"
+        gb = nbytes / 1e9
+        big = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(big)
+        copy_s = median_seconds(lambda: dst.copy_(big), repeats)
+        del big, dst
+        for bucket_mb, by_reference in [(mb, False) for mb in buckets_mb] + [(mb, True) for mb in (1024, 16384)]:
+            ring = BucketRing.create("cuda_ipc", bucket_mb << 20)
+
+            def sync() -> None:
+                for entries in split_into_buckets(state.items(), ring.capacity):
+                    meta = ring.pack(entries, by_reference=by_reference)
+                    requests.put(meta.to_dict())
+                    ring.reuse(meta.index, lambda: replies.get(timeout=120))  # the receiver answers in order
+                ring.drain()
+
+            t = median_seconds(sync, repeats)
+            ring.close()
+            how = (f"the receiver reads the sender's tensors (by reference), {bucket_mb} MB per message"
+                   if by_reference else f"copied into {bucket_mb} MB buckets")
+            rows.append([name, f"{gb:.2f}", f"{len(state)}", f"CUDA IPC, {how}", f"{t * 1e3:.1f}",
+                         f"{gb / t:.0f}", f"{copy_s / t:.0%}"])
+        rows.append([name, f"{gb:.2f}", "", "device-to-device copy, one process", f"{copy_s * 1e3:.1f}",
+                     f"{gb / copy_s:.0f}", "100%"])
+        requests.put("logits")
+        theirs = replies.get(timeout=120)
+        ids = torch.arange(256, device="cuda").unsqueeze(0) % model.config.vocab_size
+        with torch.no_grad():
+            ours = model(ids).logits.float().cpu()
+        requests.put(None)
+        receiver.join(timeout=60)
+        print(f"{name}: receiver's logits vs the sender's: max |diff| {float((theirs - ours).abs().max()):.3g}",
+              flush=True)
+        del model, state
+        torch.cuda.empty_cache()
+    print(f"\n### In-memory weight sync on one H200: trainer process → a second process (bf16), median of "
+          f"{repeats}\n")
+    print(table(["model", "GB", "tensors", "transfer", "ms", "GB/s", "vs D2D copy"], rows))
+    print(flush=True)
+
+
+def _cp_rank(rank: int, world: int, port: int, tokens: int, results) -> None:
+    """One context-parallel rank on the shared GPU: its slice of one `tokens`-long sequence, forward + backward."""
+    import torch.distributed as dist
+
+    from agentrl.model.context_parallel import ContextShard, pad_length
+    from agentrl.model.modeling import chunked_token_logprobs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # NCCL refuses two ranks on one GPU
+    torch.manual_seed(0)
+    model = agentrl_small().model.to("cuda", torch.bfloat16).train()
+    model.gradient_checkpointing_enable()
+    total = tokens + pad_length(tokens, world, 4)
+    ids = torch.randint(0, model.config.vocab_size, (total + 1,), device="cuda")
+    cu = torch.tensor([0, total], dtype=torch.int32, device="cuda")
+    shard = ContextShard.of(cu, rank=rank, size=world, group=dist.group.WORLD) if world > 1 else None
+    lo, hi = (shard.lo, shard.hi) if shard else (0, total)
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    hidden, _ = model.model(ids[lo:hi], shard.cu_seqlens if shard else cu, shard=shard)
+    logp, _ = chunked_token_logprobs(hidden, model.lm_head.weight, ids[lo + 1:hi + 1])
+    (logp.float().sum() / tokens).backward()
+    torch.cuda.synchronize()
+    results.put((rank, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - weights) / 2**30,
+                 weights / 2**30))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_cp_memory(lengths=((65536, 1), (65536, 2), (262144, 2))) -> None:
+    """Memory per rank of the `small` preset under context parallelism, the ranks as processes sharing the one GPU
+    (gloo, staging the exchanged states and latents through host memory: the seconds are not NCCL's): peak allocated
+    above the weights during one forward + backward of a sequence, bf16, gradient checkpointing on."""
+    import torch.multiprocessing as mp
+
+    rows = []
+    for tokens, world in lengths:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = mp.start_processes(_cp_rank, args=(world, free_port(), tokens, results), nprocs=world, join=False,
+                                   start_method="spawn")
+        got = sorted(results.get(timeout=560) for _ in range(world))
+        procs.join()
+        peak = max(g[2] for g in got)
+        rows.append([f"{tokens:,}", world, f"{tokens // world:,}", f"{got[0][3]:.2f}",
+                     " / ".join(f"{g[2]:.2f}" for g in got), f"{peak * 2**30 / (tokens / world) / 1024:.0f}",
+                     f"{max(g[1] for g in got):.1f}"])
+        print(rows[-1], flush=True)
+    print("\n### Context parallelism on one H200: `small` preset, ranks as processes sharing the GPU (gloo)\n")
+    print(table(["tokens", "CP", "tokens per rank", "weights GiB", "peak above weights per rank (GiB)",
+                 "KiB per token of a slice", "s (slowest rank, gloo via host)"], rows))
+    print(flush=True)
+
+
 # --- profile ------------------------------------------------------------------------------------------------------
 def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> None:
     """For each model and length: the step's wall time, its GPU busy time (the sum of kernel times: well below the
@@ -465,7 +623,8 @@ def bench_host() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "host", "profile", "all"])
+    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "weight-ipc", "cp-memory", "host",
+                                         "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of agentrl, "
@@ -480,6 +639,10 @@ def main() -> None:
         bench_memory(tuple(args.tokens)) if args.tokens and args.what == "memory" else bench_memory()
     if args.what in ("publish", "all"):
         bench_publish()
+    if args.what in ("weight-ipc", "all"):
+        bench_weight_ipc()
+    if args.what == "cp-memory":
+        bench_cp_memory()
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "profile":

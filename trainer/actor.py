@@ -61,6 +61,11 @@ class TrainerGroup:
         """The current weights as a new policy version (a PublishedWeights)."""
         return self._on_all("publish_weights")
 
+    def sync_weights(self, receivers: Any, *, bucket_bytes: int, dtype: str | None = None) -> Any:
+        """Streams the current weights into `receivers` (agentrl.rollout.worker.WorkerReceivers) in memory, one
+        decoder layer at a time, in `dtype` (the engines'; trainer/weight_stream.py); returns rank 0's SyncRecord."""
+        return self._on_all("sync_weights", receivers, bucket_bytes, dtype)
+
     def save_checkpoint(self, client_state: dict) -> str:
         """A resumable checkpoint carrying `client_state`; returns its directory."""
         return self._on_all("save_checkpoint", client_state)

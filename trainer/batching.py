@@ -15,6 +15,8 @@ A step's batch is planned identically on every rank from the same list of trajec
    train in the same step;
 4. ranks with fewer micro-batches get padding micro-batches (two tokens, zero weight): ZeRO reduces gradients in
    every backward, so every rank must run the same number of them.
+Under context parallelism "ranks" above are the data-parallel groups of CP ranks, the budget is the group's, and each
+rank of a group trains its own slice of every micro-batch of the group (`context_slice`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agentrl.types import Trajectory
+from agentrl.model.context_parallel import ContextShard
 from agentrl.trainer.losses import aggregation_weights
+from agentrl.types import Trajectory
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +47,7 @@ class MicroBatch:
     forced_experts_TLK: torch.Tensor | None  # long: routing replay
     trajectory_indices: list[int]  # positions in the step's trajectory list
     is_padding: bool = False
+    shard: ContextShard | None = None  # context parallelism: this is one rank's slice (`context_slice`)
     # fp32: the trainer's log-probs of the targets before the step's first optimizer step, recorded when a step makes
     # several (PPO mini-batches); None: one optimizer step, they are the forward's own (detached)
     old_logprobs_T: torch.Tensor | None = None
@@ -53,9 +57,11 @@ class MicroBatch:
         return int(self.input_ids_T.numel())
 
     def forward_args(self, device: torch.device | str) -> tuple:
-        """(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK) on `device`: what PackedPolicy takes."""
+        """(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, shard) on `device`: what PackedPolicy
+        takes."""
         forced = None if self.forced_experts_TLK is None else self.forced_experts_TLK.to(device)
-        return self.input_ids_T.to(device), self.cu_seqlens.to(device), self.target_ids_T.to(device), forced
+        return (self.input_ids_T.to(device), self.cu_seqlens.to(device), self.target_ids_T.to(device), forced,
+                self.shard)
 
     @property
     def num_sequences(self) -> int:
@@ -196,6 +202,38 @@ def pack(trajectories: Sequence[Trajectory], indices: Sequence[int], advantages:
         forced_experts_TLK=torch.from_numpy(np.concatenate(forced)) if forced else None,
         trajectory_indices=list(indices),
     )
+
+
+def context_slice(micro: MicroBatch, *, rank: int, size: int, group, min_tokens: int) -> MicroBatch:
+    """Rank `rank`'s slice of `micro` under context parallelism over `size` ranks (agentrl/model/context_parallel.py):
+    the micro-batch is first padded with a zero-weight sequence so that it splits evenly with at least `min_tokens`
+    per rank (the short convolution reads its W−1 predecessors from the previous rank)."""
+    from agentrl.model.context_parallel import ContextShard, pad_length
+
+    pad = pad_length(micro.num_tokens, size, min_tokens)
+    if pad:
+        def grow(t: torch.Tensor, value=0) -> torch.Tensor:
+            return torch.cat([t, torch.full((pad, *t.shape[1:]), value, dtype=t.dtype)])
+
+        micro = MicroBatch(
+            input_ids_T=grow(micro.input_ids_T), target_ids_T=grow(micro.target_ids_T),
+            cu_seqlens=torch.cat([micro.cu_seqlens, micro.cu_seqlens[-1:] + pad]),
+            loss_mask_T=grow(micro.loss_mask_T, False), weights_T=grow(micro.weights_T),
+            infer_logprobs_T=grow(micro.infer_logprobs_T), advantages_T=grow(micro.advantages_T),
+            seq_index_T=grow(micro.seq_index_T, micro.num_sequences),
+            forced_experts_TLK=None if micro.forced_experts_TLK is None else grow(micro.forced_experts_TLK),
+            trajectory_indices=micro.trajectory_indices, is_padding=micro.is_padding,
+            old_logprobs_T=None if micro.old_logprobs_T is None else grow(micro.old_logprobs_T))
+    shard = ContextShard.of(micro.cu_seqlens, rank=rank, size=size, group=group)
+    part = slice(shard.lo, shard.hi)
+    return MicroBatch(
+        input_ids_T=micro.input_ids_T[part], target_ids_T=micro.target_ids_T[part], cu_seqlens=shard.cu_seqlens,
+        loss_mask_T=micro.loss_mask_T[part], weights_T=micro.weights_T[part],
+        infer_logprobs_T=micro.infer_logprobs_T[part], advantages_T=micro.advantages_T[part],
+        seq_index_T=micro.seq_index_T[part],
+        forced_experts_TLK=None if micro.forced_experts_TLK is None else micro.forced_experts_TLK[part],
+        trajectory_indices=micro.trajectory_indices, is_padding=micro.is_padding, shard=shard,
+        old_logprobs_T=None if micro.old_logprobs_T is None else micro.old_logprobs_T[part])
 
 
 def padding_micro_batch(num_moe_layers: int | None, like: Trajectory) -> MicroBatch:

@@ -34,6 +34,9 @@ class TrainerConfig:
         expert_parallel: ranks the routed experts of every MoE layer are sharded over (1: every rank holds all of
             them). Must divide the number of ranks and the number of experts; ZeRO-2 only (DeepSpeed's MoE support
             does not cover ZeRO-3).
+        context_parallel: ranks each micro-batch's tokens are split over, in sequence order (1: none), so that one
+            trajectory may be longer than a rank holds (agentrl/model/context_parallel.py). Groups of consecutive
+            ranks; data parallelism runs across the groups, ZeRO over all ranks; micro_batch_tokens is per rank.
     """
 
     run_dir: str
@@ -57,6 +60,7 @@ class TrainerConfig:
     num_threads: int | None = None
     dist_timeout_s: float = 600.0
     expert_parallel: int = 1
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (2, 3):
@@ -74,6 +78,14 @@ class TrainerConfig:
                              f"{self.grad_clip}")
         if self.expert_parallel < 1:
             raise ValueError(f"trainer.expert_parallel must be >= 1, got {self.expert_parallel}")
+        if self.context_parallel < 1:
+            raise ValueError(f"trainer.context_parallel must be >= 1, got {self.context_parallel}")
+        if self.context_parallel > 1 and self.expert_parallel > 1:
+            raise ValueError("trainer.context_parallel and trainer.expert_parallel cannot both be > 1 yet: the "
+                             "expert-parallel all-to-alls would need the CP ranks' groups laid out around them")
+        if self.context_parallel > 1 and self.loss.kind == "gspo":
+            raise ValueError("trainer.loss.kind=gspo with trainer.context_parallel > 1: GSPO's sequence-level ratio "
+                             "sums over a whole sequence, which context parallelism splits over ranks; use ppo")
         if self.expert_parallel > 1 and self.zero_stage == 3:
             raise ValueError(f"trainer.expert_parallel={self.expert_parallel} needs zero_stage=2: DeepSpeed "
                              f"partitions expert parameters over expert-data-parallel groups only under ZeRO-1/2")

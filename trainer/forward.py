@@ -16,13 +16,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from agentrl.model.context_parallel import ContextShard
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.trainer.batching import MicroBatch
 from agentrl.trainer.losses import LossConfig, LossOutput, policy_loss
 
 
 class PackedPolicy(nn.Module):
-    """forward(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK) → (logprobs_T, entropy_T), fp32."""
+    """forward(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, shard) → (logprobs_T, entropy_T), fp32.
+
+    `shard` (context parallelism): the tokens are this rank's slice of a micro-batch (batching.context_slice)."""
 
     def __init__(self, policy: HybridMoEForCausalLM, temperature: float = 1.0):
         super().__init__()
@@ -32,8 +35,9 @@ class PackedPolicy(nn.Module):
         self.temperature = temperature
 
     def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_ids_T: torch.Tensor,
-                forced_experts_TLK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK)
+                forced_experts_TLK: torch.Tensor | None = None,
+                shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, shard)
         logprobs, entropy = chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T,
                                                    self.temperature, return_entropy=True)
         return logprobs, entropy

@@ -8,6 +8,7 @@ whole step batch, and DeepSpeed averages gradients over the ranks, so each rank 
 the gradient is that of the whole batch's loss, however it was split.
 
 `step(trajectories)` → metrics; `publish_weights()` → PublishedWeights (`<run_dir>/weights/v{N}`);
+`sync_weights(receivers)` → SyncRecord (the weights streamed to the rollout engines in memory);
 `save_checkpoint()` / `load_checkpoint()` (model, optimizer, QB biases, step, version, RNG and whatever the caller
 adds, e.g. the store's position); `logprobs(trajectories)` for evaluation. SFT is the same step with
 `LossConfig(kind="sft")`, configured or passed to `step`. All of them are collective: every rank calls them, in the
@@ -47,12 +48,13 @@ from agentrl.model.expert_parallel import (
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.net import free_port
 from agentrl.trainer import zero
-from agentrl.trainer.batching import MicroBatch, mini_batch_indices, pack, plan_step
+from agentrl.trainer.batching import MicroBatch, context_slice, mini_batch_indices, pack, plan_step
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages
 from agentrl.trainer.publish import PublishedWeights, write_weights
+from agentrl.trainer.weight_stream import Receivers, SyncRecord, stream_weights
 from agentrl.types import Trajectory
 
 CHECKPOINT_DIR = "checkpoints"
@@ -100,6 +102,16 @@ class PolicyTrainer:
             ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
             ref = ref.to(device=self.device, dtype=torch.bfloat16 if bf16 else torch.float32)
             self.reference = PackedPolicy(ref, config.temperature)
+        self.cp_size = config.context_parallel
+        if world_size % self.cp_size:
+            raise ValueError(f"context_parallel={self.cp_size} must divide world_size={world_size}")
+        self.cp_rank, self.dp_rank, self.dp_size = rank % self.cp_size, rank // self.cp_size, world_size // self.cp_size
+        self.cp_group = None
+        if self.cp_size > 1:  # groups of consecutive ranks; every rank creates every group, in the same order
+            for first in range(0, world_size, self.cp_size):
+                group = dist.new_group(list(range(first, first + self.cp_size)))
+                if first <= rank < first + self.cp_size:
+                    self.cp_group = group
         self.ep_size = config.expert_parallel
         self.ep_stats = ExpertParallelStats()
         if self.ep_size > 1:
@@ -146,16 +158,17 @@ class PolicyTrainer:
         plans = []
         for part in mini_batch_indices(trajectories, advantages, loss_cfg.mini_batches):
             plans.append(plan_step([trajectories[i] for i in part], [advantages[i] for i in part],
-                                   world_size=self.world_size, token_budget=self.config.micro_batch_tokens,
+                                   world_size=self.dp_size, token_budget=self.config.micro_batch_tokens * self.cp_size,
                                    aggregation=loss_cfg.aggregation, norm_constant=loss_cfg.norm_constant,
                                    num_moe_layers=len(self.policy.moe_layers)))
+        mine = [self._my_part(plan.per_rank[self.dp_rank]) for plan in plans]
         if len(plans) > 1 and loss_cfg.kind != "sft":
-            self._record_old_logprobs([m for plan in plans for m in plan.per_rank[self.rank]])
+            self._record_old_logprobs([m for micros in mine for m in micros])
         self.engine.train()
         sums: Counter[str] = Counter()
         grad_norms, loads = [], {}
-        for plan in plans:
-            for micro in plan.per_rank[self.rank]:
+        for micros in mine:
+            for micro in micros:
                 with self._routers_observe(not micro.is_padding):
                     out = micro_batch_loss(self.engine, micro, loss_cfg, reference=self.reference,
                                            device=self.device)
@@ -193,6 +206,13 @@ class PolicyTrainer:
             metrics.update(self._expert_parallel_metrics(totals))
         return metrics
 
+    def _my_part(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's micro-batches: its data-parallel group's, and under context parallelism its slice of each."""
+        if self.cp_size == 1:
+            return micro_batches
+        return [context_slice(m, rank=self.cp_rank, size=self.cp_size, group=self.cp_group,
+                              min_tokens=max(self.policy.config.kda_conv_size - 1, 1)) for m in micro_batches]
+
     @torch.no_grad()
     def _record_old_logprobs(self, micro_batches: Sequence[MicroBatch]) -> None:
         """π_old of a step with several optimizer steps: every micro-batch's target log-probs under the weights
@@ -219,8 +239,8 @@ class PolicyTrainer:
         self._save_reference()
 
     def _reference_file(self) -> str:
-        """Where the reset reference lives (`<run_dir>/reference/`, beside the checkpoints): one file (every rank holds the whole reference) or one per rank
-        (expert parallelism: each holds its experts)."""
+        """Where the reset reference lives (`<run_dir>/reference/`, beside the checkpoints): one file (every rank
+        holds the whole reference) or one per rank (expert parallelism: each holds its experts)."""
         name = f"reference-rank{self.rank}.safetensors" if self.ep_size > 1 else "reference.safetensors"
         return os.path.join(self.config.run_dir, "reference", name)
 
@@ -304,6 +324,17 @@ class PolicyTrainer:
         if isinstance(record[0], Exception):
             raise RuntimeError(f"rank 0 failed to publish weights v{self.version}") from record[0]
         return record[0]
+
+    def sync_weights(self, receivers: Receivers | None, bucket_bytes: int = 1 << 30,
+                     dtype: str | None = None) -> SyncRecord:
+        """Streams the current weights to `receivers` in memory as this version (trainer/weight_stream.py): every
+        rank takes part in the gathers, rank 0 sends (the others may pass None) and returns the record. Buckets go
+        through /dev/shm on CPU and CUDA IPC on GPU, in `dtype` (default: the engines' — `rollout.engine.dtype`
+        is what the driver's receivers load)."""
+        return stream_weights(self.policy, receivers if self.rank == 0 else None, version=self.version,
+                              zero_stage=self.config.zero_stage, rank=self.rank,
+                              kind="cuda_ipc" if self.device.type == "cuda" else "shm", capacity=bucket_bytes,
+                              dtype=getattr(torch, dtype) if dtype else None, device=self.device)
 
     def save_checkpoint(self, client_state: dict | None = None) -> str:
         """Saves model, optimizer, QB biases (model buffers), step, version, RNG states and `client_state` (e.g.

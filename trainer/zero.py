@@ -151,13 +151,17 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
     return engine
 
 
+def _group_key(name: str) -> str:
+    """The decoder layer a tensor belongs to (`model.layers.3`), else its top-level module (embeddings, the rest)."""
+    parts = name.split(".")
+    return ".".join(parts[:parts.index("layers") + 2]) if "layers" in parts else parts[0]
+
+
 def _param_groups(module: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
     """Parameters grouped by decoder layer (embeddings, each layer, the rest) to bound what one gather holds."""
     groups: OrderedDict[str, list] = OrderedDict()
     for name, param in module.named_parameters():
-        parts = name.split(".")
-        key = ".".join(parts[:parts.index("layers") + 2]) if "layers" in parts else parts[0]
-        groups.setdefault(key, []).append((name, param))
+        groups.setdefault(_group_key(name), []).append((name, param))
     return list(groups.values())
 
 
@@ -176,26 +180,34 @@ def _gathered(group: list[tuple[str, nn.Parameter]], zero_stage: int):
     return contextlib.nullcontext()
 
 
-def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
-    """The module's full state dict on CPU on rank 0 (None elsewhere). Collective under ZeRO-3: every rank calls.
+def state_groups(module: nn.Module, *, zero_stage: int, rank: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """The module's state dict one decoder layer at a time (embeddings, each layer, the rest; persistent buffers
+    with their layer) as (group key, tensors): e.g. ("model.layers.3", {...}). Full values are readable on rank 0
+    while each group is yielded (other ranks get the key and {}). Collective
+    under ZeRO-3: every rank runs through it to the end. The tensors are the live ones (ZeRO-3: gathered, and
+    released after the group): copy what must outlive the group."""
+    state = module.state_dict(keep_vars=True)
+    groups: OrderedDict[str, list[str]] = OrderedDict()
+    for name in state:
+        groups.setdefault(_group_key(name), []).append(name)
+    for key, names in groups.items():
+        params = {id(state[n]): (n, state[n]) for n in names if isinstance(state[n], nn.Parameter)}  # tied: once
+        with _gathered(list(params.values()), zero_stage):
+            yield key, {n: state[n].detach() for n in names} if rank == 0 else {}
 
-    ZeRO-3 parameters are gathered one decoder layer at a time; buffers are replicated and read locally.
-    """
-    keys = list(module.state_dict(keep_vars=True).keys())
-    persistent = set(keys)
+
+def gather_state_dict(module: nn.Module, *, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
+    """The module's full state dict on CPU on rank 0 (None elsewhere), in state-dict order. Collective under ZeRO-3:
+    every rank calls. Gathered one decoder layer at a time (`state_groups`), each copied out in one transfer."""
     if zero_stage < 3:
-        if rank != 0:
-            return None
-        return to_host(module.state_dict())
-    params: dict[str, torch.Tensor] = {}
-    for group in _param_groups(module):  # one decoder layer gathered at a time, copied out in one transfer
-        with _gathered(group, zero_stage):
-            if rank == 0:
-                params.update(to_host(dict(group)))
+        return to_host(module.state_dict()) if rank == 0 else None
+    out: dict[str, torch.Tensor] = {}
+    for _, group in state_groups(module, zero_stage=zero_stage, rank=rank):
+        out.update(to_host(group))
     if rank != 0:
         return None
-    buffers = to_host({k: b for k, b in module.named_buffers() if k in persistent and k not in params})
-    return {k: params[k] if k in params else buffers[k] for k in keys}
+    keys = list(module.state_dict(keep_vars=True).keys())
+    return {k: out[k] for k in keys}
 
 
 def replica_digest(module: nn.Module, *, zero_stage: int, replace: dict[str, torch.Tensor] | None = None) -> str:

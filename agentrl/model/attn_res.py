@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agentrl.model.layers import RMSNorm, fla_op
+from agentrl.model.layers import RMSNorm, compute_dtype, fla_op
 
 
 def attn_res_query(hidden_size: int) -> nn.Linear:
@@ -42,9 +42,11 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, query: nn.Linear) -
 
 
 def attn_res_mix_torch(sources: list[torch.Tensor], norm: RMSNorm, query: nn.Linear) -> torch.Tensor:
-    values_STD = torch.stack(sources).float()
+    values_STD = torch.stack(sources)
+    compute = compute_dtype(values_STD)
+    values_STD = values_STD.to(compute)
     keys = values_STD * torch.rsqrt(values_STD.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    logits_ST = (keys * (norm.weight.float() * query.weight[0].float())).sum(-1)
+    logits_ST = (keys * (norm.weight.to(compute) * query.weight[0].to(compute))).sum(-1)
     weights_ST = torch.softmax(logits_ST, dim=0)
     return (weights_ST[..., None] * values_STD).sum(0).to(sources[0].dtype)
 

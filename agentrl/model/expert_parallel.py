@@ -177,12 +177,16 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def gather_full_experts(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor]:
+def gather_full_experts(model: nn.Module, *, dst: int | None = 0,
+                        layers: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The full [E, ...] expert tensors on CPU by state-dict name, gathered over each layer's group one tensor at a
     time. Collective over the group. `dst` is the group rank that receives them (others get {}); None: every rank.
+    `layers` limits it to those expert modules (qualified names; default all), e.g. one decoder layer's.
     """
     out: dict[str, torch.Tensor] = {}
     for name, layer in expert_parallel_layers(model).items():
+        if layers is not None and name not in layers:
+            continue
         for pname in ("w13_weight", "w2_weight"):
             shard = getattr(layer, pname).detach().contiguous()
             parts = [torch.empty_like(shard) for _ in range(layer.num_ranks)]

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrl.model import kda_ops
+from agentrl.model import context_parallel, kda_ops
 from agentrl.model.cache import KDAState
+from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.layers import fla_op, gated_rms_norm, l2norm, short_conv
 
@@ -80,31 +81,28 @@ class KimiDeltaAttention(nn.Module):
         return self.decay_torch(z)
 
     def decay_torch(self, z_TP: torch.Tensor) -> torch.Tensor:
-        z = z_TP.float() + self.dt_bias.float()
+        compute = torch.promote_types(z_TP.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+        z = z_TP.to(compute) + self.dt_bias.to(compute)
         z = z.view(-1, self.num_heads, self.head_dim)
-        rate = self.A_log.float().exp().view(1, -1, 1)
+        rate = self.A_log.to(compute).exp().view(1, -1, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * z)
         return -rate * F.softplus(z)
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state: KDAState | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, KDAState | None]:
+                use_cache: bool = False, shard: ContextShard | None = None) -> tuple[torch.Tensor, KDAState | None]:
         """x_TD: packed tokens of N sequences; `state` continues them (decoding / chunked prefill).
 
         Returns the output [T, D] and, when `use_cache`, the state after the last token of each sequence.
+        `shard`: this rank's slice under context parallelism (training; x_TD and cu_seqlens are the slice's): the
+        states that cross ranks are exchanged as in context_parallel.py.
         """
+        if shard is not None:
+            if state is not None or use_cache:
+                raise ValueError("context parallelism is for training: no decoding state")
+            return self._forward_shard(x_TD, shard), None
         num_tokens = x_TD.shape[0]
-        H, K = self.num_heads, self.head_dim
-        proj = H * K
-        qkv = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-        qkv, conv_state = short_conv(qkv, conv_w, cu_seqlens, None if state is None else state.conv_NCW)
-        q, k, v = qkv.split(proj, dim=-1)
-        q = l2norm(q.view(num_tokens, H, K))
-        k = l2norm(k.view(num_tokens, H, K))
-        v = v.view(num_tokens, H, K)
-        g = self.decay(x_TD)
-        beta = torch.sigmoid(self.b_proj(x_TD).float())
+        q, k, v, g, beta, conv_state = self._inputs(x_TD, cu_seqlens, None if state is None else state.conv_NCW)
         initial = None if state is None else state.recurrent_NHKV
         num_seqs = cu_seqlens.numel() - 1
         if initial is not None and num_tokens == num_seqs:
@@ -112,16 +110,61 @@ class KimiDeltaAttention(nn.Module):
             o, final = kda_ops.recurrent_kda_step(q, k, v, g, beta, initial)
             o = o.to(v.dtype)
         else:
-            o, final = kda_ops.kda(q[None], k[None], v[None], g[None], beta[None], initial_state=initial,
-                                   output_final_state=use_cache, cu_seqlens=cu_seqlens,
-                                   lower_bound=self.lower_bound if self.lower_bound is not None else -5.0,
-                                   bounded=self.lower_bound is not None)
-            o = o[0]
-        gate = self.g_proj(x_TD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_TD))
-        o = gated_rms_norm(o, self.o_norm.weight, gate.view(num_tokens, H, K), self.norm_eps)
-        y = self.o_proj(o.reshape(num_tokens, proj))
+            o, final = self._kernel(q, k, v, g, beta, initial, use_cache, cu_seqlens)
         new_state = KDAState(conv_NCW=conv_state, recurrent_NHKV=final) if use_cache else None
-        return y, new_state
+        return self._output(x_TD, o), new_state
+
+    def _forward_shard(self, x_TD: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+        """The layer on a context-parallel slice: the kernel runs from zero states with K identity-initialised value
+        columns on the first sequence when it came from an earlier rank; the exchanged transitions give its
+        incoming state, which corrects the outputs (context_parallel.py)."""
+        num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
+        cu_seqlens = shard.cu_seqlens
+        q, k, v, g, beta, _ = self._inputs(x_TD, cu_seqlens, lambda qkv: context_parallel.conv_tail(
+            qkv, self.conv_size, shard))
+        carried = shard.first_continues
+        initial = None
+        if carried:  # [S | X] with X = I: the extra columns carry the transition of the first sequence
+            v = torch.cat([v, v.new_zeros(num_tokens, H, K)], dim=-1)
+            initial = torch.zeros(cu_seqlens.numel() - 1, H, K, 2 * K, device=v.device,
+                                  dtype=torch.promote_types(v.dtype, torch.float32))
+            initial[0, :, :, K:] = torch.eye(K, dtype=initial.dtype, device=v.device)
+        o, final = self._kernel(q, k, v, g, beta, initial, True, cu_seqlens)
+        last = final[-1]  # the last sequence's [B | A]: what this slice hands the next rank
+        transition = last[..., K:] if carried else last.new_zeros(H, K, K)
+        incoming = context_parallel.incoming_state(transition, last[..., :K], shard)
+        if carried:
+            o = o[..., :K] + torch.einsum("thk,hkv->thv", o[..., K:].to(incoming.dtype), incoming).to(o.dtype)
+        else:  # nothing comes in; the exchange's backward is a collective all the same
+            o = context_parallel.depend_on(o, incoming)
+        return self._output(x_TD, o)
+
+    def _inputs(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, conv_state) -> tuple:
+        """q, k, v [T, H, K], the log-decay g, β and the short convolution's final state. `conv_state`: the initial
+        state [N, C, W−1], None, or a function of the pre-convolution inputs that returns it."""
+        num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        initial = conv_state(qkv) if callable(conv_state) else conv_state
+        qkv, final = short_conv(qkv, conv_w, cu_seqlens, initial)
+        q, k, v = qkv.split(H * K, dim=-1)
+        beta = torch.sigmoid(self.b_proj(x_TD).to(torch.promote_types(x_TD.dtype, torch.float32)))
+        return (l2norm(q.view(num_tokens, H, K)), l2norm(k.view(num_tokens, H, K)), v.view(num_tokens, H, K),
+                self.decay(x_TD), beta, final)
+
+    def _kernel(self, q, k, v, g, beta, initial, final_state: bool, cu_seqlens):
+        o, final = kda_ops.kda(q[None], k[None], v[None], g[None], beta[None], initial_state=initial,
+                               output_final_state=final_state, cu_seqlens=cu_seqlens,
+                               lower_bound=self.lower_bound if self.lower_bound is not None else -5.0,
+                               bounded=self.lower_bound is not None)
+        return o[0], final
+
+    def _output(self, x_TD: torch.Tensor, o_THK: torch.Tensor) -> torch.Tensor:
+        """y = W_o [RMSNorm_head(o) ⊙ σ(gate)]."""
+        num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
+        gate = self.g_proj(x_TD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_TD))
+        o = gated_rms_norm(o_THK, self.o_norm.weight, gate.view(num_tokens, H, K), self.norm_eps)
+        return self.o_proj(o.reshape(num_tokens, H * K))
 
 
 class _HeadNorm(nn.Module):

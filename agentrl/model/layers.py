@@ -65,11 +65,18 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight ⊙ x / sqrt(mean(x²) + eps), normalised in fp32 (the reference of RMSNorm's fused kernel)."""
+    """weight ⊙ x / sqrt(mean(x²) + eps), normalised in fp32 (fp64 for fp64 inputs; the reference of RMSNorm's fused
+    kernel)."""
     dtype = x.dtype
-    x = x.float()
+    x = x.to(compute_dtype(x))
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the reference ops compute in: fp32 for half-precision and fp32 inputs, fp64 for fp64 ones (tests compare
+    paths that split the same sums differently, e.g. context parallelism, at fp64 tolerance)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,10 +88,10 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
 
 def gated_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return (x * torch.sigmoid(gate.float())).to(dtype)
+    dtype, compute = x.dtype, compute_dtype(x)
+    x = x.to(compute)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute)
+    return (x * torch.sigmoid(gate.to(compute))).to(dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,7 +103,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x / torch.sqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+    wide = x.to(compute_dtype(x))
+    return x / torch.sqrt((wide * wide).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def glu(gate_up: torch.Tensor, act: str, situ_beta: float | None = None,
@@ -112,7 +120,7 @@ def glu(gate_up: torch.Tensor, act: str, situ_beta: float | None = None,
     if act == "situ":
         beta = situ_beta or 1.0
         out_dtype = gate_up.dtype
-        gate, up = gate.float(), up.float()
+        gate, up = gate.to(compute_dtype(gate)), up.to(compute_dtype(up))
         gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
         if situ_linear_beta is not None:
             up = situ_linear_beta * torch.tanh(up / situ_linear_beta)
@@ -161,7 +169,8 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
 
     Returns:
         y_TC, and the final state [N, C, W−1] (each sequence's last W−1 inputs, drawn from the initial state for
-        sequences shorter than W−1). Computed in fp32, returned in x's dtype (state in fp32).
+        sequences shorter than W−1). Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype (the state in
+        the computing dtype).
 
     Without a carried state (training, prefill from scratch) on CUDA, y comes from fla's Triton causal_conv1d.
     """
@@ -174,11 +183,12 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
                                    activation=activation, cu_seqlens=cu_seqlens)
         zeros = x_TC.new_zeros(num_seqs, channels, width - 1, dtype=torch.float32)
         return y[0], _final_conv_state(x_TC, zeros.transpose(1, 2), cu_seqlens, width)
-    w_CW = weight_C1W.reshape(channels, width).float()
-    x = x_TC.float()
+    compute = torch.promote_types(x_TC.dtype, torch.float32)  # fp64 inputs stay fp64: tests check gradients tightly
+    w_CW = weight_C1W.reshape(channels, width).to(compute)
+    x = x_TC.to(compute)
     if initial_state_NCW is None:
         initial_state_NCW = x.new_zeros(num_seqs, channels, width - 1)
-    state_NWC = initial_state_NCW.float().transpose(1, 2)  # [N, W-1, C]
+    state_NWC = initial_state_NCW.to(compute).transpose(1, 2)  # [N, W-1, C]
     seq_T, pos_T = sequence_ids(cu_seqlens, num_tokens)
     y = x * w_CW[:, width - 1]
     for shift in range(1, width):
@@ -196,14 +206,14 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
 
 def _final_conv_state(x: torch.Tensor, state_NWC: torch.Tensor, cu_seqlens: torch.Tensor, width: int
                       ) -> torch.Tensor:
-    """The last W−1 entries of [state | sequence] of each sequence, [N, C, W−1] in fp32."""
+    """The last W−1 entries of [state | sequence] of each sequence, [N, C, W−1] in the state's dtype."""
     num_tokens, channels = x.shape
     num_seqs = cu_seqlens.numel() - 1
     lengths_N = cu_seqlens[1:] - cu_seqlens[:-1]
     ext_NW = lengths_N[:, None] + torch.arange(width - 1, device=x.device)  # positions in [state | seq] coordinates
     from_seq = ext_NW >= width - 1
     tok_NW = (cu_seqlens[:-1, None] + ext_NW - (width - 1)).clamp(0, max(num_tokens - 1, 0))
-    seq_vals = x[tok_NW].float() if num_tokens else state_NWC.new_zeros(num_seqs, width - 1, channels)
+    seq_vals = x[tok_NW].to(state_NWC.dtype) if num_tokens else state_NWC.new_zeros(num_seqs, width - 1, channels)
     state_vals = state_NWC[torch.arange(num_seqs, device=x.device)[:, None], ext_NW.clamp(max=width - 2)]
     final_NWC = torch.where(from_seq[..., None], seq_vals, state_vals)
     return final_NWC.transpose(1, 2).contiguous()

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from agentrl.model import context_parallel
 from agentrl.model.cache import MLAState
+from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.layers import RMSNorm, sequence_ids
 
@@ -61,24 +63,38 @@ def varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: tor
 
 
 def _flash_varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
-                                   cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    qk_dim, v_dim = q_THE.shape[-1], v_THV.shape[-1]
-    if qk_dim < v_dim:
-        q_THE, k_THE = (F.pad(t, (0, v_dim - qk_dim)) for t in (q_THE, k_THE))
-    elif v_dim < qk_dim:
-        v_THV = F.pad(v_THV, (0, qk_dim - v_dim))
+                                   cu_seqlens: torch.Tensor, scale: float,
+                                   cu_k: torch.Tensor | None = None) -> torch.Tensor:
+    """`cu_k`: the keys' offsets when they differ from the queries' (context parallelism: a piece's queries at the
+    end of its sequence's keys; flash aligns the causal window to the bottom right)."""
+    v_dim = v_THV.shape[-1]
+    q_THE, k_THE, v_THV = equal_head_dims(q_THE, k_THE, v_THV)
     cu = cu_seqlens.to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    ck = cu if cu_k is None else cu_k.to(torch.int32)
+    max_q, max_k = int((cu[1:] - cu[:-1]).max()), int((ck[1:] - ck[:-1]).max())
     # window (-1, 0): no limit to the left, nothing to the right, i.e. causal (torch 2.11 has no is_causal argument)
-    out = varlen_attn(q_THE, k_THE, v_THV, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
+    out = varlen_attn(q_THE, k_THE, v_THV, cu, ck, max_q, max_k, scale=scale, window_size=(-1, 0))
     return out[..., :v_dim]
+
+
+def equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v zero-padded to one head dim, the flash kernels' condition (CUDA's and the CPU's: on this CPU a causal
+    SDPA over 16K tokens took 12.5 s with MLA's unequal dims, on the math path with a T×T matrix, and 0.5 s padded).
+    Zero q/k channels add nothing to the scores; zero v channels give output channels to slice off."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if qk_dim < v_dim:
+        q, k = (F.pad(t, (0, v_dim - qk_dim)) for t in (q, k))
+    elif v_dim < qk_dim:
+        v = F.pad(v, (0, qk_dim - v_dim))
+    return q, k, v
 
 
 def _varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     num_tokens = q_THE.shape[0]
     num_seqs = cu_seqlens.numel() - 1
-    q, k, v = (t.transpose(0, 1)[None] for t in (q_THE, k_THE, v_THV))  # [1, H, T, *]
+    v_dim = v_THV.shape[-1]
+    q, k, v = (t.transpose(0, 1)[None] for t in equal_head_dims(q_THE, k_THE, v_THV))  # [1, H, T, *]
     if num_seqs == 1:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     elif num_tokens <= _MAX_MASKED_TOKENS:
@@ -90,7 +106,7 @@ def _varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: to
         bounds = cu_seqlens.tolist()
         o = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
                                                       scale=scale) for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
-    return o[0].transpose(0, 1)
+    return o[0].transpose(0, 1)[..., :v_dim]
 
 
 class GatedMLA(nn.Module):
@@ -127,14 +143,23 @@ class GatedMLA(nn.Module):
         return torch.cat([k_nope, k_pe], dim=-1), v
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state: MLAState | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, MLAState | None]:
+                use_cache: bool = False, shard: ContextShard | None = None) -> tuple[torch.Tensor, MLAState | None]:
+        """`shard`: this rank's slice under context parallelism (training; x_TD and cu_seqlens are the slice's):
+        the queries attend over their sequences' keys on every rank (context_parallel.py)."""
         num_tokens = x_TD.shape[0]
         qk_dim = self.nope_dim + self.pe_dim
         q = self.q_proj(x_TD) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
         q = q.view(num_tokens, self.num_heads, qk_dim)
         latent, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.kv_rank, self.pe_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        if state is None:
+        if shard is not None:
+            if state is not None or use_cache:
+                raise ValueError("context parallelism is for training: no decoding cache")
+            compressed = context_parallel.gather(torch.cat([latent, k_pe], dim=-1), shard)[shard.key_lo:shard.hi]
+            k, v = self._expand(*compressed.split([self.kv_rank, self.pe_dim], dim=-1))
+            o = context_parallel.prefix_causal_attention(q, k, v, shard.cu_seqlens, shard.key_cu_seqlens, self.scale)
+            new_state = None
+        elif state is None:
             k, v = self._expand(latent, k_pe)
             o = varlen_causal_attention(q, k, v, cu_seqlens, self.scale)
             new_state = None

@@ -11,7 +11,8 @@ For training, `forward(..., target_ids=...)` returns per-token log-probabilities
 chunk with a hand-written backward that remakes each chunk's logits, so the [T, V] logits of a long sequence never
 exist at once.
 
-The model never imports torch.distributed: sharding and the bias all-reduce live in the trainer.
+The decoder layers never call torch.distributed themselves: sharding and the bias all-reduce live in the trainer,
+and what crosses ranks under context or expert parallelism lives in context_parallel.py and expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
 from agentrl.model.cache import HybridCache
 from agentrl.model.checkpoint import load_checkpoint_tensors, load_state_into, save_checkpoint
 from agentrl.model.config import HybridMoEConfig
+from agentrl.model.context_parallel import ContextShard
 from agentrl.model.kda import KimiDeltaAttention
 from agentrl.model.layers import MLP, RMSNorm
 from agentrl.model.mla import GatedMLA
@@ -68,9 +70,10 @@ class HybridDecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp_res_proj = attn_res_query(config.hidden_size)
 
-    def attention(self, h_TD, cu_seqlens, cache: HybridCache | None, use_cache: bool) -> torch.Tensor:
+    def attention(self, h_TD, cu_seqlens, cache: HybridCache | None, use_cache: bool,
+                  shard: ContextShard | None = None) -> torch.Tensor:
         state = None if cache is None else cache.layers[self.layer_idx]
-        out, new_state = self.self_attn(self.input_layernorm(h_TD), cu_seqlens, state, use_cache)
+        out, new_state = self.self_attn(self.input_layernorm(h_TD), cu_seqlens, state, use_cache, shard=shard)
         if use_cache:
             cache.layers[self.layer_idx] = new_state
         return out
@@ -102,9 +105,13 @@ class HybridMoEModel(nn.Module):
         return fn(*args)
 
     def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, cache: HybridCache | None = None,
-                use_cache: bool = False, forced_experts_TLK: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed tokens → final-norm hidden states [T, D] and the routed experts [T, L, K] (None without MoE)."""
+                use_cache: bool = False, forced_experts_TLK: torch.Tensor | None = None,
+                shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed tokens → final-norm hidden states [T, D] and the routed experts [T, L, K] (None without MoE).
+
+        `shard`: under context parallelism the tokens are this rank's slice of a micro-batch and `cu_seqlens` its
+        pieces of sequences (shard.cu_seqlens); KDA and MLA exchange what crosses ranks (context_parallel.py),
+        everything else is per token."""
         x = self.embed_tokens(input_ids_T)
         routed: list[torch.Tensor] = []
         moe_slot = {layer_id: i for i, layer_id in enumerate(self.moe_layer_ids)}
@@ -113,7 +120,7 @@ class HybridMoEModel(nn.Module):
             forced = None
             if forced_experts_TLK is not None and layer.is_moe:
                 forced = forced_experts_TLK[:, moe_slot[layer.layer_idx]]
-            attn = lambda h, layer=layer: layer.attention(h, cu_seqlens, cache, use_cache)  # noqa: E731
+            attn = lambda h, layer=layer: layer.attention(h, cu_seqlens, cache, use_cache, shard)  # noqa: E731
             ffn = lambda h, f=forced, layer=layer: layer.feed_forward(h, f)  # noqa: E731
             if blocks is None:
                 x = x + self._run(attn, x)

@@ -69,7 +69,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (gate weights [T, K] fp32, expert ids [T, K])."""
-        scores = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
+        compute = torch.promote_types(x_TD.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+        scores = torch.sigmoid(F.linear(x_TD.to(compute), self.weight.to(compute)))
         with torch.no_grad():
             topk_idx = self.select(scores)
         if self.training:

@@ -41,7 +41,8 @@ from agentrl.plan.memory import (Memory, activation_scale, memory_by_stage, memo
                                  stored_activation_bytes_per_token, transient_activation_bytes_per_token)
 from agentrl.plan.report import format_plan
 from agentrl.plan.search import Plan, candidate_layouts, make_plan, resolve_config, smallest_cluster, trainer_supports
-from agentrl.plan.timing import StepTime, calibrated_efficiency, flops_per_token, step_time, weight_gather_s
+from agentrl.plan.timing import (StepTime, calibrated_efficiency, flops_per_token, step_time, weight_gather_s,
+                                 weight_sync_s)
 
 __all__ = [
     "A2A_LATENCY_S", "ATTN_RES_MIXES", "BYTES_GRAD", "BYTES_OPTIMIZER", "BYTES_WEIGHT", "CALIBRATION_PRESET",
@@ -55,5 +56,5 @@ __all__ = [
     "transient_activation_bytes_per_token",
     "format_plan",
     "Plan", "candidate_layouts", "make_plan", "resolve_config", "smallest_cluster", "trainer_supports",
-    "StepTime", "calibrated_efficiency", "flops_per_token", "step_time", "weight_gather_s",
+    "StepTime", "calibrated_efficiency", "flops_per_token", "step_time", "weight_gather_s", "weight_sync_s",
 ]

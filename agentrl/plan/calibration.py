@@ -16,6 +16,10 @@ CALIBRATION_PRESET = "small"
 # out: the host bounds it (kernel launches). Two lengths fit two efficiencies: of the matmul work and of MLA's T²
 # attention (see `timing.calibrated_efficiency`).
 SMALL_TRAIN_TOKENS_PER_S = {32768: 113_017, 131072: 62_190}
+# In-memory weight sync on one H200 into a second process (CUDA IPC, the receiver reading the sender's tensors): 47% of
+# the device-to-device copy rate at Kimi Linear 48B's widths, 4 layers, 12.85 GB (`bench_gpu.py weight-ipc`,
+# 2026-12-03): 13.0 ms against 6.1 ms.
+WEIGHT_IPC_COPY_FRACTION = 0.47
 # Peak memory above the weights with gradient checkpointing on (fused kernels): marginal bytes per token between
 # 128K and 256K tokens, and the AttnRes path that measurement ran. Measured 2026-11-30 with cuDNN attention; the
 # flash varlen path gave the same peaks at 8K / 32K / 128K (1.52 / 4.77 / 18.55 GiB, 2026-12-01; 256K not re-run).

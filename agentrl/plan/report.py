@@ -59,9 +59,12 @@ def format_plan(plan: Plan, name: str) -> str:
     lines.append(f"  {'step':32s} {t.total_s:9.3f} s  = {tokens_s:,.0f} tokens/s "
                  f"({tokens_s / c.num_gpus:,.0f} per GPU)")
     fits_one = p.num_total * BYTES_WEIGHT <= c.usable_bytes
-    lines.append(f"  {'publish: gather weights to one':32s} {plan.weight_gather_s:9.3f} s  (link-bound"
+    if plan.weight_sync_s is not None:
+        lines.append(f"  {'weight sync in memory':32s} {plan.weight_sync_s:9.3f} s  (each GPU's engine shard, "
+                     f"{plan.decode.weights_per_gpu / GiB:.1f} GiB: its links, then CUDA IPC at the measured rate)")
+    lines.append(f"  {'publish: gather weights to one':32s} {plan.weight_gather_s:9.3f} s  (link-bound; the disk path"
                  + (")" if fits_one else f"; {p.num_total * BYTES_WEIGHT / GiB:,.0f} GiB of bf16 weights do not "
-                    f"fit one GPU: publishing at this size must stream or reshard)"))
+                    f"fit one GPU: only the in-memory stream works at this size)"))
     d = plan.decode
     if d is not None:
         lines += ["", f"rollout (decode at {w.context:,} tokens of context; assumed efficiencies, not calibrated)",

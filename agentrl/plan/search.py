@@ -10,7 +10,7 @@ from agentrl.plan.counts import ModelShape, ParamCounts, count_parameters
 from agentrl.plan.decode import Decode, decode_throughput
 from agentrl.plan.layout import Cluster, Layout, Workload, check_layout
 from agentrl.plan.memory import Memory, activation_scale, memory_per_gpu
-from agentrl.plan.timing import StepTime, step_time, weight_gather_s
+from agentrl.plan.timing import StepTime, step_time, weight_gather_s, weight_sync_s
 
 
 @dataclass(kw_only=True, slots=True)
@@ -22,6 +22,7 @@ class Plan:
     memory: Memory
     time: StepTime
     weight_gather_s: float  # publishing: the full weights gathered onto one rank (weight_gather_s)
+    weight_sync_s: float | None  # the in-memory sync into engines on the trainer's GPUs; None: no decode plan
     decode: Decode | None
     activation_scale: float  # measured / modelled activation memory on the calibration preset
     notes: list[str] = field(default_factory=list)
@@ -33,6 +34,7 @@ class Plan:
         out["memory"]["total"] = self.memory.total
         out["time"]["total_s"] = self.time.total_s
         out["weight_gather_s"] = self.weight_gather_s
+        out["weight_sync_s"] = self.weight_sync_s
         out["decode"] = None if self.decode is None else dict(asdict(self.decode),
                                                               tokens_per_s=self.decode.tokens_per_s)
         out["activation_scale"] = self.activation_scale
@@ -42,8 +44,9 @@ class Plan:
 
 def trainer_supports(layout: Layout) -> bool:
     """Whether agentrl's trainer runs this layout today (trainer/config.py): data parallelism under ZeRO-2 or -3,
-    expert parallelism under ZeRO-2 only; no pipeline or context parallelism yet."""
-    return layout.pp == 1 and layout.cp == 1 and layout.zero in (2, 3) and (layout.ep == 1 or layout.zero == 2)
+    expert parallelism under ZeRO-2 only, context parallelism without expert parallelism; no pipeline yet."""
+    return (layout.pp == 1 and layout.zero in (2, 3) and (layout.ep == 1 or layout.zero == 2)
+            and (layout.cp == 1 or layout.ep == 1))
 
 
 def candidate_layouts(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] | None = None,
@@ -92,7 +95,8 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
         raise ValueError(f"no valid layout of {cluster.num_gpus} GPUs with {fixed or 'no fixed degrees'} "
                          f"(ep must divide dp·cp and the {cfg.num_experts} experts, pp ≤ "
                          f"{cfg.num_hidden_layers} layers, cp must split the micro-batch"
-                         + ("; the trainer runs today only pp = cp = 1, ZeRO-2 or -3, ep > 1 under ZeRO-2 only)"
+                         + ("; the trainer runs today only pp = 1, ZeRO-2 or -3, ep > 1 under ZeRO-2 only, cp > 1 "
+                            "with ep = 1)"
                             if supported_only else ")"))
     best = closest = None
     for layout in layouts:
@@ -118,8 +122,8 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
     layout, mem, t = best
     notes = []
     if not trainer_supports(layout):
-        notes.append("agentrl's trainer does not run this layout yet (today: pp = cp = 1, ZeRO-2 or -3, ep > 1 under "
-                     "ZeRO-2; --supported-only restricts the search to that)")
+        notes.append("agentrl's trainer does not run this layout yet (today: pp = 1, ZeRO-2 or -3, ep > 1 under "
+                     "ZeRO-2, cp > 1 with ep = 1; --supported-only restricts the search to that)")
     if cfg.attn_res_block_size is not None:
         notes.append(f"AttnRes mixes: {ATTN_RES_MIXES[workload.attn_res_mix]} (--attn-res-mix)")
     decode = None
@@ -130,6 +134,8 @@ def make_plan(cfg, cluster: Cluster, workload: Workload, fixed: dict[str, int] |
             notes.append(f"rollout: {exc}")
     return Plan(params=count_parameters(cfg), cluster=cluster, workload=workload, layout=layout, memory=mem, time=t,
                 weight_gather_s=weight_gather_s(cfg, layout, cluster), decode=decode, activation_scale=act_scale,
+                weight_sync_s=None if decode is None else weight_sync_s(decode.weights_per_gpu, decode.replica_gpus,
+                                                                        cluster),
                 notes=notes)
 
 

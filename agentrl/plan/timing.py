@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 
 from agentrl.plan.calibration import (A2A_LATENCY_S, BYTES_GRAD, BYTES_WEIGHT, CALIBRATION_PRESET, CHECKPOINTING_SPEED,
-                                        COLLECTIVE_EFFICIENCY, H200_BF16_TFLOPS, KDA_CHUNK, SMALL_TRAIN_TOKENS_PER_S)
+                                        COLLECTIVE_EFFICIENCY, H200_BF16_TFLOPS, H200_HBM_TBPS, KDA_CHUNK,
+                                        SMALL_TRAIN_TOKENS_PER_S, WEIGHT_IPC_COPY_FRACTION)
 from agentrl.plan.counts import ModelShape, count_parameters, layer_params
 from agentrl.plan.layout import Cluster, Layout, Workload, stages
 from agentrl.plan.memory import stage_params
@@ -172,3 +173,19 @@ def weight_gather_s(cfg, layout: Layout, cluster: Cluster) -> float:
     bw = (cluster.inter_node_bytes_s_per_gpu if layout.num_gpus > cluster.gpus_per_node
           else cluster.intra_node_gbytes_s * 1e9)
     return (counts.num_total - held) * BYTES_WEIGHT / (bw * COLLECTIVE_EFFICIENCY)
+
+
+
+def weight_sync_s(engine_bytes_per_gpu: float, replica_gpus: int, cluster: Cluster) -> float:
+    """The in-memory sync (trainer/weight_stream.py) with the engines on the trainer's GPUs: every GPU's engine
+    receives its shard of the bf16 weights (`engine_bytes_per_gpu`, the rollout replica's split over `replica_gpus`),
+    all GPUs at once.
+
+    Per GPU: what the trainer's layout does not keep there arrives over its links (the layers' ZeRO-3 / EP gathers and
+    the engine's other split: at most the engine shard itself, at COLLECTIVE_EFFICIENCY of NVLink, of the NIC share
+    once a replica spans nodes), then moves into the engine's process by CUDA IPC at the measured fraction of the HBM
+    copy rate (WEIGHT_IPC_COPY_FRACTION). The ~1-2 ms per bucket measured on one GPU is left out."""
+    bw = (cluster.inter_node_bytes_s_per_gpu if replica_gpus > cluster.gpus_per_node
+          else cluster.intra_node_gbytes_s * 1e9)
+    copy_rate = H200_HBM_TBPS * 1e12 / 2 * WEIGHT_IPC_COPY_FRACTION  # a copy reads and writes each byte
+    return engine_bytes_per_gpu / (bw * COLLECTIVE_EFFICIENCY) + engine_bytes_per_gpu / copy_rate

@@ -31,7 +31,9 @@ FORMATS = {"kimi": dict(preset="kimi-linear-tiny", chat_format="kimi"),
 JOB = ["rollout.group_size=2", "rollout.groups_per_step=2", "env.eval_tasks=4", "env.kwargs.max_turns=2",
        "rollout.max_tokens_per_turn=24", "algorithm.sft_steps=2", "algorithm.sft_batch_episodes=4",
        "algorithm.sft_target_success=null", "algorithm.steps=3", "algorithm.skip_uniform_groups=false",
-       "cluster.trainer_cpus=0.5", "cluster.rollout_cpus=0.5", "trainer.num_threads=1"]
+       "cluster.trainer_cpus=0.5", "cluster.rollout_cpus=0.5", "trainer.num_threads=1",
+       # the engines take each version in memory; every one is written to disk too, for the tests to reload
+       "rollout.weight_sync.publish_every=1"]
 CORPUS = ["What is 12 * (3 + 4)?", "naïve café 数字 计算器 مرحبا 😀", "def f(x):\n    return x ** 2  # 1e9",
           "a <|im_end|> b </tool_response> <|tool_call_begin|> <|open|> [EOS]", "  \n\n\t spaces 000123456789"]
 

@@ -12,6 +12,7 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.tracking import read_metric_history as metric_history
+from tests.integration.driver_view import record_driver_gets
 
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
@@ -26,25 +27,6 @@ SHORT = ["rollout.group_size=2", "rollout.groups_per_step=2", "env.eval_tasks=4"
          "trainer.num_threads=1"]
 
 
-def trajectories_in(value, depth: int = 0) -> int:
-    """How many Trajectory objects `value` holds (in lists, tuples, dicts and dataclass fields)."""
-    import dataclasses
-
-    from agentrl.types import Trajectory
-
-    if isinstance(value, Trajectory):
-        return 1
-    if depth > 6 or isinstance(value, (str, bytes, int, float)):
-        return 0
-    if isinstance(value, dict):
-        return sum(trajectories_in(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple, set)):
-        return sum(trajectories_in(v, depth + 1) for v in value)
-    if dataclasses.is_dataclass(value):
-        return sum(trajectories_in(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value))
-    return 0
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypatch):
     """...and the driver never holds a trajectory: every value a remote call returns to the driver process
@@ -52,15 +34,7 @@ def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypa
     ranks by reference."""
     from agentrl.driver import run_job
 
-    received: list[tuple[str, int]] = []  # (type, trajectories in it) of every value the driver got
-    real_get = ray_session.get
-
-    def get(refs, *args, **kwargs):
-        value = real_get(refs, *args, **kwargs)
-        received.append((type(value).__name__, trajectories_in(value)))
-        return value
-
-    monkeypatch.setattr(ray_session, "get", get)
+    received = record_driver_gets(ray_session, monkeypatch)
     run_dir = str(tmp_path / mode)
     job, resolved = load_config("configs/quickstart.yaml", SHORT + [f"run_dir={run_dir}", "algorithm.steps=3",
                                                                      f"algorithm.mode={mode}"])
@@ -106,3 +80,18 @@ def test_a_killed_run_resumes_and_its_curves_continue(tmp_path, ray_session):
     assert final["policy_version"] == 2 + 4
     assert [s for s, _ in metric_history(run_dir, "train/loss")] == [1, 2, 3, 4]
     assert len(metric_history(run_dir, "sft/loss")) == 2  # the warm start is not repeated on resume
+
+
+def test_an_rl_step_trains_with_context_parallelism(tmp_path, ray_session):
+    """trainer.context_parallel=2: the two ranks split every micro-batch's tokens (issue 23); the weights they end
+    with reach the engine in memory and the run publishes them."""
+    from agentrl.driver import run_job
+    from agentrl.trainer.publish import latest_weights
+
+    run_dir = str(tmp_path / "cp")
+    job, resolved = load_config("configs/quickstart.yaml", SHORT + [
+        f"run_dir={run_dir}", "algorithm.steps=2", "trainer.context_parallel=2", "trainer.micro_batch_tokens=64"])
+    final = run_job(job, resolved)
+    assert final["policy_version"] == 2 + 2 and latest_weights(run_dir)[0] == 4
+    assert [s for s, _ in metric_history(run_dir, "train/loss")] == [1, 2]
+    assert all(tokens > 0 for _, tokens in metric_history(run_dir, "train/packed_tokens"))

@@ -196,3 +196,40 @@ def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid
     for key, t in resumed.items():
         assert t.status == whole[key].status, key
         assert stored[f"d-{key}"]["tokens"] == stored[f"c-{key}"]["tokens"], key
+
+
+def test_paused_episodes_reach_their_worker_by_reference_and_lose_nothing(ray_session, hybrid_dir, tmp_path,
+                                                                         monkeypatch):
+    """Partial rollouts through the store (issue 21): episodes a token budget paused go to the store from their
+    worker, come back to a worker as ResumePoints (object references) and continue where they stopped, round after
+    round, while the calling process never receives a trajectory."""
+    from agentrl.store import StoreConfig, TrajectoryStore, TrajectoryStoreActor
+    from tests.integration.driver_view import record_driver_gets
+
+    ray = ray_session
+    store = TrajectoryStoreActor.remote(StoreConfig(run_dir=str(tmp_path), group_size=2))
+    pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
+                                                             hybrid_dir, CONFIG), store=store)
+    asks = [replace(r, env_kwargs={"max_turns": 3}) for r in requests(4, "p")]
+    received = record_driver_gets(ray, monkeypatch)
+    try:
+        summaries = pool.generate(asks, token_budget=40, to_store=True)
+        rounds = 1
+        while resumes := ray.get(store.hand_out_partials.remote()):
+            summaries += pool.generate([], resumes, token_budget=40, to_store=True)
+            rounds += 1
+        stats = ray.get(store.stats.remote())
+    finally:
+        pool.shutdown()
+        ray.kill(store)
+    assert not [r for r in received if r[1]], received
+    assert rounds >= 3 and stats["partials_put"] >= 4 and stats["trajectories_put"] == 4, (rounds, stats)
+    assert sum(s.status == Status.PARTIAL for s in summaries) == stats["partials_put"]
+    rows = TrajectoryStore.read_trajectories(str(tmp_path))
+    final = {r["trajectory_id"]: r for r in rows if r["status"] != Status.PARTIAL.value}
+    assert sorted(final) == [f"p-{i}" for i in range(4)]
+    assert all(r["status"] in (Status.COMPLETED.value, Status.TRUNCATED.value) for r in final.values())
+    for paused in (r for r in rows if r["status"] == Status.PARTIAL.value):  # each round continued the last
+        whole = final[paused["trajectory_id"]]
+        assert whole["tokens"][: len(paused["tokens"])] == paused["tokens"]
+        assert whole["logprobs"][: len(paused["logprobs"])] == paused["logprobs"]
