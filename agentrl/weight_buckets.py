@@ -118,6 +118,8 @@ class BucketRing:
         if kind not in KINDS:
             raise ValueError(f"weight bucket kind {kind!r} is not one of {KINDS}")
         buffers, locations, paths = [], [], []
+        if kind == "shm":
+            remove_orphaned_buffers()
         for i in range(count):
             if kind == "shm":
                 path = os.path.join(SHM_DIR, f"agentrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-{i}")
@@ -198,6 +200,32 @@ class BucketRing:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def remove_orphaned_buffers() -> list[str]:
+    """Deletes the /dev/shm buffers of senders that died without closing their ring (a killed trainer rank): the
+    memory of a file in /dev/shm is only freed when it is deleted. Returns the paths removed."""
+    removed = []
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        parts = name.split("-")
+        if len(parts) >= 3 and name.startswith("agentrl-weights-") and parts[2].isdigit() and \
+                not _alive(int(parts[2])):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _mapped: dict[str, torch.Tensor] = {}  # receiver: buffers opened once (a transfer reuses its two buffers)

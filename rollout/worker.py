@@ -287,7 +287,10 @@ class RolloutPool:
         if self.max_trajectory_tokens is not None:
             ray.get(self.workers[index].set_max_trajectory_tokens.remote(self.max_trajectory_tokens))
         if self._weight_source is not None and self.version != self.weights[1]:
-            self._stream([index])
+            record = self._stream([index])
+            if record.failed:  # it serves the weights on disk, its tokens say which version
+                log.warning("the replacement of rollout worker %d did not take weights version %d in memory: %s",
+                            index, self.version, record.errors)
 
     def submit(self, requests: list[EpisodeRequest], resumes: list[Trajectory | ResumePoint] | None = None,
                token_budget: int | None = None, temperature: float | None = None, *, to_store: bool = False,
@@ -392,10 +395,9 @@ class RolloutPool:
         if record.failed:
             log.warning("%d rollout worker(s) missed the weight sync to version %d: syncing them again",
                         len(record.failed), record.version)
-            for i in record.failed:
-                self._replace_if_dead(i)
-            again = self._stream(record.failed)
-            if again.failed:
+            alive = [i for i in record.failed if not self._replace_if_dead(i)]  # a replacement is synced as built
+            again = self._stream(alive) if alive else None
+            if again is not None and again.failed:
                 raise RuntimeError(f"rollout workers {again.failed} failed two weight syncs to version "
                                    f"{record.version} in a row: {again.errors}")
         return record
@@ -409,14 +411,17 @@ class RolloutPool:
         record.errors = {chosen[j]: message for j, message in record.errors.items()}
         return record
 
-    def _replace_if_dead(self, index: int) -> None:
+    def _replace_if_dead(self, index: int) -> bool:
+        """Replaces worker `index` if it is dead; returns whether it did."""
         import ray
 
         worker = self.workers[index]
         try:
             ray.get(worker.ping.remote())
+            return False
         except ray.exceptions.RayActorError:
             self._replace(index, worker)
+            return True
 
     def published(self, path: str, version: int) -> None:
         """Complete weights written to disk at `path` as `version` (the engines were synced in memory)."""

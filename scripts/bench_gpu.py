@@ -627,6 +627,8 @@ def main() -> None:
                                          "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cp", type=int, nargs="*", default=None, help="cp-memory: the degrees, each at every "
+                        "--tokens length (default 64K at CP 1 and 2, 256K at CP 2)")
     parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of agentrl, "
                         "unfused, fla, fla-hybrid, kimi (default all; profile: agentrl), in the order given")
     args = parser.parse_args()
@@ -642,7 +644,8 @@ def main() -> None:
     if args.what in ("weight-ipc", "all"):
         bench_weight_ipc()
     if args.what == "cp-memory":
-        bench_cp_memory()
+        bench_cp_memory(tuple((t, c) for t in args.tokens or (65536,) for c in args.cp)) if args.cp else \
+            bench_cp_memory()
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "profile":

@@ -55,6 +55,7 @@ from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages
 from agentrl.trainer.publish import PublishedWeights, write_weights
 from agentrl.trainer.weight_stream import Receivers, SyncRecord, stream_weights
+from agentrl.weight_buckets import BucketRing
 from agentrl.types import Trajectory
 
 CHECKPOINT_DIR = "checkpoints"
@@ -134,6 +135,7 @@ class PolicyTrainer:
         self.engine = zero.initialize(self.module, optimizer, ds_config, scheduler)
         self.global_step = 0
         self.version = 0  # policy version: training steps (batches) taken since the initial weights
+        self._buckets: BucketRing | None = None  # rank 0's weight-sync buffers, kept from one sync to the next
 
     # --- training -------------------------------------------------------------------------------------------------
     def step(self, trajectories: Sequence[Trajectory], loss: LossConfig | None = None) -> dict[str, float]:
@@ -331,10 +333,17 @@ class PolicyTrainer:
         rank takes part in the gathers, rank 0 sends (the others may pass None) and returns the record. Buckets go
         through /dev/shm on CPU and CUDA IPC on GPU, in `dtype` (default: the engines' — `rollout.engine.dtype`
         is what the driver's receivers load)."""
+        ring = None
+        if self.rank == 0:
+            if self._buckets is None or self._buckets.capacity != bucket_bytes:
+                if self._buckets is not None:
+                    self._buckets.close()
+                self._buckets = BucketRing.create("cuda_ipc" if self.device.type == "cuda" else "shm", bucket_bytes,
+                                                  device=self.device)
+            ring = self._buckets
         return stream_weights(self.policy, receivers if self.rank == 0 else None, version=self.version,
-                              zero_stage=self.config.zero_stage, rank=self.rank,
-                              kind="cuda_ipc" if self.device.type == "cuda" else "shm", capacity=bucket_bytes,
-                              dtype=getattr(torch, dtype) if dtype else None, device=self.device)
+                              zero_stage=self.config.zero_stage, rank=self.rank, ring=ring,
+                              dtype=getattr(torch, dtype) if dtype else None)
 
     def save_checkpoint(self, client_state: dict | None = None) -> str:
         """Saves model, optimizer, QB biases (model buffers), step, version, RNG states and `client_state` (e.g.
@@ -385,7 +394,10 @@ class PolicyTrainer:
         return state
 
     def close(self) -> None:
-        """Leaves the process group (the engine is unusable afterwards)."""
+        """Leaves the process group (the engine is unusable afterwards) and frees the weight-sync buffers."""
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
         zero.destroy_process_group()
 
     # --- internals ------------------------------------------------------------------------------------------------

@@ -76,10 +76,11 @@ def checkpoint_tensors(policy: nn.Module, *, zero_stage: int, rank: int) -> Iter
 
 
 def stream_weights(policy: nn.Module, receivers: Receivers | None, *, version: int, zero_stage: int, rank: int,
-                   kind: str, capacity: int, dtype: torch.dtype | None = None,
-                   device: torch.device | None = None) -> SyncRecord:
-    """Sends the policy to `receivers` as `version` (see the module docstring); rank 0 passes the receivers and
-    gets the record, the other ranks pass None and take part in the gathers."""
+                   ring: BucketRing | None, dtype: torch.dtype | None = None) -> SyncRecord:
+    """Sends the policy to `receivers` as `version` (see the module docstring); rank 0 passes the receivers and its
+    bucket ring and gets the record, the other ranks pass None for both and take part in the gathers. The ring
+    outlives the sync: its buffers are touched once (the first sync of a fresh /dev/shm buffer pays for its pages:
+    ~1 s per GB here) and the engines map them once."""
     record = SyncRecord(version=version)
     start = time.perf_counter()
     if rank != 0:
@@ -90,23 +91,29 @@ def stream_weights(policy: nn.Module, receivers: Receivers | None, *, version: i
     # gather releases them when the stream moves to the next layer
     by_reference = zero_stage < 3 and not expert_parallel_layers(policy)
     receivers.begin(version)
-    with BucketRing.create(kind, capacity, device=device) as ring:
-        tensors = checkpoint_tensors(policy, zero_stage=zero_stage, rank=rank)
+    tensors = checkpoint_tensors(policy, zero_stage=zero_stage, rank=rank)
+    t = time.perf_counter()
+    for entries in split_into_buckets(tensors, ring.capacity, dtype=dtype):
+        meta = ring.pack(entries, dtype=dtype, by_reference=by_reference)
+        record.pack_s += time.perf_counter() - t
+        ring.reuse(meta.index, _timed(receivers.load(meta.to_dict()), record))
+        record.num_buckets += 1
+        record.num_bytes += sum(_part_bytes(p) for p in meta.parts)
+        record.num_tensors += sum(p.rows is None or p.rows[0] == 0 for p in meta.parts)
         t = time.perf_counter()
-        for entries in split_into_buckets(tensors, capacity, dtype=dtype):
-            meta = ring.pack(entries, dtype=dtype, by_reference=by_reference)
-            record.pack_s += time.perf_counter() - t
-            ring.reuse(meta.index, _timed(receivers.load(meta.to_dict()), record))
-            record.num_buckets += 1
-            record.num_bytes += meta.nbytes
-            record.num_tensors += sum(p.rows is None or p.rows[0] == 0 for p in meta.parts)
-            t = time.perf_counter()
-        ring.drain()
+    ring.drain()
     receivers.finish(version)
     record.failed = list(receivers.failed)
     record.errors = dict(getattr(receivers, "errors", {}))
     record.seconds = time.perf_counter() - start
     return record
+
+
+def _part_bytes(part) -> int:
+    n = getattr(torch, part.dtype).itemsize
+    for d in part.shape:
+        n *= d
+    return n
 
 
 def _timed(wait: Callable[[], None], record: SyncRecord) -> Callable[[], None]:

@@ -66,3 +66,19 @@ def test_a_buffer_is_refilled_only_after_its_reader_is_done():
         ring.drain()
     # two buffers: bucket 2 reuses bucket 0's buffer and waits for its reader first
     assert events == ["pack 0", "pack 1", "pack 2", "read 0", "pack 3", "read 1", "read 2", "read 3"]
+
+
+def test_a_dead_senders_buffers_are_deleted_by_the_next_ring(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from agentrl.weight_buckets import SHM_DIR, remove_orphaned_buffers
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = os.path.join(SHM_DIR, f"agentrl-weights-{int(dead.stdout)}-abcd1234-0")
+    open(orphan, "wb").close()
+    with BucketRing.create("shm", 1024) as ring:  # this process's own buffers stay
+        assert not os.path.exists(orphan)
+        assert all(os.path.exists(p) for p in ring.locations)
+        assert remove_orphaned_buffers() == []
