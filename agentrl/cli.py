@@ -34,6 +34,7 @@ def cmd_train(args) -> None:
 
     job, resolved = _load(args)
     run_job(job, resolved, rl=True)
+    _print_summary(args, job)
 
 
 def cmd_sft(args) -> None:
@@ -41,6 +42,25 @@ def cmd_sft(args) -> None:
 
     job, resolved = _load(args)
     run_job(job, resolved, rl=False)
+    _print_summary(args, job)
+
+
+def _print_summary(args, job) -> None:
+    """What the run did and the commands that show and evaluate it (agentrl.report.summary_text)."""
+    import shlex
+
+    from agentrl.report import RunCurves, summary_text
+
+    # as the user ran it (scripts/quickstart.sh runs .venv/bin/agentrl)
+    prog = os.path.relpath(sys.argv[0]) if os.path.basename(sys.argv[0]) == "agentrl" else "agentrl"
+    evaluate = shlex.join([prog, "eval", args.config, *args.overrides, "--checkpoint", job.run_dir])
+    try:
+        text = summary_text(RunCurves(job.run_dir, job.tracking.tracking_uri), prog=prog, eval_command=evaluate)
+    except Exception as exc:  # the run itself succeeded: a summary that cannot be read must not fail it
+        logging.getLogger("agentrl").warning("the run finished, but its summary could not be read from MLflow: %s",
+                                             exc)
+        return
+    print(text, flush=True)
 
 
 def cmd_eval(args) -> None:

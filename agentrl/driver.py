@@ -335,6 +335,17 @@ def _duration(seconds: float) -> str:
         f"{seconds:.0f}s"
 
 
+def _sft_pace(elapsed: float, done: int, left: int, target: float | None) -> str:
+    """The SFT progress line's timing: the warm start may end at its success target long before its step cap, so
+    the time left is an upper bound."""
+    pace = f"{elapsed / done:.1f}s/step, {_duration(elapsed)} so far"
+    if left:
+        pace += f", at most {_duration(elapsed / done * left)} left"
+        if target is not None:
+            pace += f" (it ends once held-out success reaches {target})"
+    return pace
+
+
 def resample_failed(job: JobConfig, pool, episodes: list[EpisodeSummary],
                     requests: list[EpisodeRequest]) -> list[EpisodeSummary]:
     """Tops up the step's groups (algorithm.failed_members=resample): each failed episode is run again as a new episode
@@ -501,7 +512,9 @@ def evaluate(pool, job: JobConfig, sampler: TaskSampler) -> dict[str, float]:
     if not job.env.eval_tasks:
         return {}
     log.info("evaluating greedily on %d held-out tasks", job.env.eval_tasks)
-    return rollout_metrics(pool.generate(sampler.eval_requests(), temperature=0.0, summarize=True), prefix="eval")
+    t0 = time.perf_counter()
+    episodes = pool.generate(sampler.eval_requests(), temperature=0.0, summarize=True)
+    return {**rollout_metrics(episodes, prefix="eval"), "time/eval_s": time.perf_counter() - t0}
 
 
 def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampler: TaskSampler, stop: StopRequest, *,
@@ -533,6 +546,7 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
     warmup = (pool.submit(sampler.eval_requests(), temperature=0.0, summarize=True)
               if algo.sft_target_success is not None else None)
     step = first_step - 1
+    started = time.perf_counter()
     for step in range(first_step, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
         batch = []
@@ -555,8 +569,10 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             reached = success >= algo.sft_target_success
         metrics_log.add(step - 1, metrics)
         if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
-            log.info("sft step %d/%d: %s", step, algo.sft_steps,
-                     ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics))
+            shown = ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics)
+            log.info("sft step %d/%d: %s | %s", step, algo.sft_steps, shown,
+                     _sft_pace(time.perf_counter() - started, step - first_step + 1, algo.sft_steps - step,
+                               algo.sft_target_success))
         if reached:
             break
         stopping = stop.requested  # read once: a signal landing after the checkpoint waits for the next step
@@ -568,7 +584,7 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             raise stop.interrupted(f"SFT step {step} of {algo.sft_steps}")
     if warmup is not None:
         pool.collect(warmup)
-    metrics_log.add(step - 1, {"sft/steps_run": step})
+    metrics_log.add(step - 1, {"sft/steps_run": step, "time/sft_s": time.perf_counter() - started})
     if algo.sft_lr is not None:
         trainer.set_lr(job.trainer.lr)
     trainer.reset_reference()  # RL's KL term (kl_coef > 0) anchors to the warm-started policy

@@ -94,7 +94,17 @@ def html_report(curves: RunCurves) -> str:
     return "\n".join(parts)
 
 
-def summary_html(curves: RunCurves) -> str:
+PHASES = (("set-up", ("phase/setup_s",)), ("SFT warm start", ("time/sft_s",)),
+          ("RL rollout", ("time/rollout_s",)), ("RL training", ("time/train_s",)),
+          ("weight sync", ("time/sync_s",)), ("held-out evaluation", ("time/eval_s",)),
+          ("logging and checkpoints", ("time/log_s",)))
+
+
+def summary_rows(curves: RunCurves) -> list[tuple[str, str]]:
+    """What a run did, as (label, value) rows: status, where it is, success and reward first vs last steps, held-out
+    success before vs after RL, wall time by phase and the newest weights."""
+    from agentrl.trainer.publish import latest_weights
+
     info = curves.run.info
     rows = [("status", info.status), ("run directory", os.path.abspath(curves.run_dir)),
             ("MLflow", run_page(curves.uri, info.experiment_id, info.run_id))]
@@ -103,14 +113,46 @@ def summary_html(curves: RunCurves) -> str:
         rows.append(("RL steps", str(max(s for s, _ in success))))
         window = min(5, len(success) // 2)
         if window:
-            start, end = start_and_end(success, window)
-            rows.append((f"training success, first → last {window} steps",
-                         f"{start:.3f} → {end:.3f} ({100 * (end - start):+.1f} points)"))
+            for key, label in (("rollout/success_rate", "training success"), ("rollout/reward_mean", "reward")):
+                if key in curves.keys and len(curves.history(key)) >= 2 * window:
+                    start, end = start_and_end(curves.history(key), window)
+                    change = f"{100 * (end - start):+.1f} points" if key.endswith("rate") else f"{end - start:+.3f}"
+                    rows.append((f"{label}, first → last {window} steps", f"{start:.3f} → {end:.3f} ({change})"))
     held_out = curves.history("eval/success_rate") if "eval/success_rate" in curves.keys else []
     if held_out:
-        rows.append(("held-out success, first → last evaluation", f"{held_out[0][1]:.3f} → {held_out[-1][1]:.3f}"))
+        label = "held-out success (greedy), " + ("before → after RL" if held_out[0][0] == 0 and len(held_out) > 1
+                                                 else "first → last evaluation")
+        rows.append((label, f"{held_out[0][1]:.3f} (step {held_out[0][0]}) → {held_out[-1][1]:.3f} "
+                            f"(step {held_out[-1][0]})"))
+    spent = [(label, sum(v for k in keys if k in curves.keys for _, v in curves.history(k))) for label, keys in PHASES]
+    spent = [(label, s) for label, s in spent if s > 0]
+    if spent:
+        rows.append(("wall time by phase", ", ".join(f"{label} {_duration(s)}" for label, s in spent)))
+    latest = latest_weights(curves.run_dir)
+    if latest is not None:
+        rows.append(("newest weights", f"{latest[1]} (version {latest[0]})"))
+    return rows
+
+
+def summary_html(curves: RunCurves) -> str:
     return "<table>" + "".join(f"<tr><td>{html.escape(k)}</td><td><b>{html.escape(v)}</b></td></tr>"
-                               for k, v in rows) + "</table>"
+                               for k, v in summary_rows(curves)) + "</table>"
+
+
+def summary_text(curves: RunCurves, *, prog: str = "agentrl", eval_command: str) -> str:
+    """The summary `agentrl train` prints when a run ends: summary_rows (the MLflow row names the `mlflow ui` command
+    that serves the run page), then the commands that report and evaluate the result."""
+    rows = summary_rows(curves)
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "run summary", *(f"  {k.ljust(width)}  {v}" for k, v in rows), "",
+             f"  the curves on one page:  {prog} report {curves.run_dir}",
+             f"  evaluate the weights:    {eval_command}"]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min" if seconds >= 90 else \
+        f"{seconds:.0f} s"
 
 
 def svg_chart(series: dict[str, list[tuple[int, float]]], width: int = 420, height: int = 220) -> str:

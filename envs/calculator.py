@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import threading
 from typing import Callable
 
 MAX_CHARS = 500
@@ -33,6 +34,11 @@ _FUNCTIONS: dict[str, Callable[..., Number]] = {
     "ceil": math.ceil, "log": math.log, "exp": math.exp,
 }
 _CONSTANTS: dict[str, float] = {"pi": math.pi, "e": math.e}
+# CPython 3.11's ast.parse counts its tree conversion's depth in interpreter-wide state (python/cpython gh-106905):
+# envs stepped in threads (env_isolation="thread") parsing at once failed an episode with "SystemError: AST
+# constructor recursion depth mismatch" (seen in tests/integration/test_weight_sync.py). One parse at a time; they
+# are at most MAX_CHARS long.
+_PARSE_LOCK = threading.Lock()
 
 
 class ExpressionError(ValueError):
@@ -46,7 +52,8 @@ def evaluate(expression: str) -> Number:
     if len(expression) > MAX_CHARS:
         raise ExpressionError(f"expression is {len(expression)} characters; the limit is {MAX_CHARS}")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise ExpressionError(f"not a valid expression: {getattr(exc, 'msg', exc)}") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:

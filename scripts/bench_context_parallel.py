@@ -1,6 +1,6 @@
 """Context parallelism on CPU: one trajectory's forward and backward split over CP ranks (gloo), per rank.
 
-    python scripts/bench_context_parallel.py [--tokens 65536] [--cp 1 2 4] [--layout tiny|kda]
+    python scripts/bench_context_parallel.py [--tokens 65536] [--cp 1 2 4] [--layout tiny|kda] [--cores 2]
 
 For each length and CP degree, `cp` processes each build the same model (fp32, gradient checkpointing on, as a long
 trajectory trains), take their slice of one packed sequence (agentrl/model/context_parallel.py) and run the log-prob
@@ -42,9 +42,9 @@ def table(header, rows) -> str:
     return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-def _rank(rank: int, world: int, port: int, tokens: int, layout: str, results) -> None:
+def _rank(rank: int, world: int, port: int, tokens: int, layout: str, cores: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, 2 // world))
+    torch.set_num_threads(max(1, cores // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = HybridMoEForCausalLM(preset_config("tiny", **LAYOUTS[layout])).float().train()
@@ -82,11 +82,11 @@ def _rank(rank: int, world: int, port: int, tokens: int, layout: str, results) -
     dist.destroy_process_group()
 
 
-def run(tokens: int, cp: int, layout: str) -> tuple[float, list[float], float]:
+def run(tokens: int, cp: int, layout: str, cores: int) -> tuple[float, list[float], float]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    ctx_procs = mp.start_processes(_rank, args=(cp, free_port(), tokens, layout, results), nprocs=cp, join=False,
-                                   start_method="spawn")
+    ctx_procs = mp.start_processes(_rank, args=(cp, free_port(), tokens, layout, cores, results), nprocs=cp,
+                                   join=False, start_method="spawn")
     rows = sorted(results.get() for _ in range(cp))
     ctx_procs.join()
     return max(r[1] for r in rows), [r[2] for r in rows], rows[0][3]
@@ -97,16 +97,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[65536])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layout", choices=list(LAYOUTS), default="tiny")
+    parser.add_argument("--cores", type=int, default=2, help="torch threads shared out over the ranks")
     args = parser.parse_args()
     rows = []
     for tokens in args.tokens:
         for cp in args.cp:
-            seconds, peaks, loss = run(tokens, cp, args.layout)
+            seconds, peaks, loss = run(tokens, cp, args.layout, args.cores)
             rows.append([f"{tokens:,}", cp, f"{seconds:.1f}", " / ".join(f"{p:,.0f}" for p in peaks),
                          f"{max(peaks) / (tokens / cp) * 1024:.1f}", f"{loss:.6f}"])
             print(rows[-1], flush=True)
     print(f"\n### One trajectory's forward + backward under context parallelism (`{args.layout}` layout, fp32, "
-          f"gradient checkpointing, gloo on 2 CPU cores)\n")
+          f"gradient checkpointing, gloo, {args.cores} CPU threads shared by the ranks)\n")
     print(table(["tokens", "CP", "seconds (slowest rank)", "peak RSS growth per rank (MiB)",
                  "KiB per token of the largest slice", "loss (summed over ranks)"], rows))
 

@@ -9,6 +9,7 @@
     python scripts/bench_gpu.py weight-ipc   # in-memory weight sync to a second process on the GPU (CUDA IPC) vs D2D
     python scripts/bench_gpu.py cp-memory    # memory per rank under context parallelism (ranks sharing the GPU)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
+    python scripts/bench_gpu.py trainer      # agentrl's DeepSpeed step (ZeRO-2/3) vs the bare fwd+bwd, same tokens
     python scripts/bench_gpu.py profile      # wall vs GPU-busy time and torch.profiler kernel tables of one fwd+bwd
                                              # (--tokens, --models, --out FILE for the full tables)
     python scripts/bench_gpu.py all          # throughput, gate, memory, publish, weight-ipc, host
@@ -543,6 +544,94 @@ def bench_cp_memory(lengths=((65536, 1), (65536, 2), (262144, 2))) -> None:
     print(flush=True)
 
 
+# --- trainer: DeepSpeed around the forward + backward ------------------------------------------------------------
+def _trainer_batch(vocab: int, tokens: int, sequences: int = 8):
+    """`sequences` trajectories in two GRPO groups that pack to exactly `tokens` training tokens (each trains on its
+    tokens[:-1] → tokens[1:]): a 64-token prompt, the rest sampled at version 0."""
+    import numpy as np
+
+    from agentrl.types import Trajectory
+
+    rng = np.random.default_rng(0)
+    batch = []
+    for i in range(sequences):
+        t = Trajectory(trajectory_id=f"t{i}", task_id=f"g{i % 2}", group_id=f"g{i % 2}", env_id="bench",
+                       reward=float(i % 3))
+        sampled = tokens // sequences + 1 - 64
+        t.append_prompt(rng.integers(0, vocab, 64).tolist())
+        t.append_sampled(rng.integers(0, vocab, sampled).tolist(), (-8.0 - rng.random(sampled)).tolist(), version=0)
+        batch.append(t)
+    return batch
+
+
+def _trainer_rank(what: str, tokens: int, repeats: int, port: int, results) -> None:
+    """One measurement in a process of its own (a DeepSpeed engine leaves its process group behind): the bare
+    forward + backward of the trainer's own micro-batches (what="bare"), the same plus a fused torch AdamW step
+    ("bare+adam"), or PolicyTrainer.step through DeepSpeed ("zero2", "zero3")."""
+    import tempfile
+
+    from agentrl.trainer import PolicyTrainer, TrainerConfig
+    from agentrl.trainer.batching import plan_step
+    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+    from agentrl.trainer.losses import LossConfig, grpo_advantages
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    config = preset_config("small")
+    batch = _trainer_batch(config.vocab_size, tokens)
+    if what.startswith("zero"):
+        with tempfile.TemporaryDirectory() as run_dir:
+            trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=int(what[-1]), dtype="bf16", lr=1e-6,
+                                                  micro_batch_tokens=tokens), config)
+            seconds = median_seconds(lambda: trainer.step(batch), repeats)
+            trainer.close()
+    else:
+        torch.manual_seed(0)
+        model = HybridMoEForCausalLM(config).to("cuda", torch.bfloat16).train()
+        model.gradient_checkpointing_enable()
+        loss = LossConfig()
+        plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
+                         token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
+                         num_moe_layers=len(model.moe_layers))
+        adam = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if what == "bare+adam" else None
+
+        def step() -> None:
+            for micro in plan.per_rank[0]:
+                micro_batch_loss(PackedPolicy(model), micro, loss, device="cuda").loss.backward()
+            if adam is not None:
+                adam.step()
+            model.zero_grad(set_to_none=True)
+
+        seconds = median_seconds(step, repeats)
+    results.put((what, seconds))
+
+
+def bench_trainer(tokens_list=(4096, 32768), repeats: int = 5) -> None:
+    """The `small` preset's full optimizer step through agentrl's DeepSpeed trainer (ZeRO-2 and ZeRO-3, one GPU,
+    bf16, gradient checkpointing on, as the trainer defaults) against the bare forward + backward of the same
+    packed micro-batch in plain PyTorch, one run; each measurement in a process of its own, median of `repeats`
+    after a warm-up step."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for tokens in tokens_list:
+        got = {}
+        for what in ("bare", "bare+adam", "zero2", "zero3"):
+            results = ctx.Queue()
+            proc = ctx.Process(target=_trainer_rank, args=(what, tokens, repeats, free_port(), results))
+            proc.start()
+            got[what] = results.get(timeout=400)[1]
+            proc.join()
+            print(tokens, what, f"{got[what]:.4f}", flush=True)
+        rows.append([f"{tokens:,}"] + [f"{got[w] * 1e3:.0f} ({tokens / got[w] / 1e3:.1f}K/s)"
+                                       for w in ("bare", "bare+adam", "zero2", "zero3")]
+                    + [f"{got['bare'] / got['zero2']:.2f}×", f"{got['bare'] / got['zero3']:.2f}×"])
+    print("\n### DeepSpeed around the step on one H200: `small` preset, bf16, ms per step (tokens/s)\n")
+    print(table(["tokens", "bare fwd+bwd", "bare + fused AdamW", "ZeRO-2 step", "ZeRO-3 step", "ZeRO-2 vs bare",
+                 "ZeRO-3 vs bare"], rows))
+    print(flush=True)
+
+
 # --- profile ------------------------------------------------------------------------------------------------------
 def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> None:
     """For each model and length: the step's wall time, its GPU busy time (the sum of kernel times: well below the
@@ -624,7 +713,7 @@ def bench_host() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "weight-ipc", "cp-memory", "host",
-                                         "profile", "all"])
+                                         "trainer", "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--cp", type=int, nargs="*", default=None, help="cp-memory: the degrees, each at every "
@@ -648,6 +737,8 @@ def main() -> None:
             bench_cp_memory()
     if args.what in ("host", "all"):
         bench_host()
+    if args.what == "trainer":
+        bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768))
     if args.what == "profile":
         bench_profile(tuple(args.tokens) if args.tokens else (4096, 32768), args.models, args.out)
 

@@ -13,7 +13,9 @@ step would, then syncs them both ways, one after the other:
 
 After each sync the engine's log-probabilities of a fixed sequence are checked against the trainer's (fp32, 1e-4):
 a figure for a sync that did not take is not a figure. Bytes are the checkpoint tensors moved (fp32); the disk
-column counts what was written under weights/ during the memory syncs (goal: nothing).
+column counts what was written under weights/ during the memory syncs (goal: nothing). The memory path's first sync
+is shown apart (a fresh /dev/shm buffer pays for its pages then), and its median split into the trainer's packing
+(reading the layers, copying into the buffers) and the time it waited for the engine to read a buffer.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def one_model(name: str, args, rows: list) -> None:
     run(worker.ping())  # the engine is up before anything is timed
     prompt = list(range(5, 37))
     weights_dir = os.path.join(root, "run", "weights")
-    memory, disk, publish, load, gaps = [], [], [], [], []
+    memory, disk, publish, load, gaps, pack, wait = [], [], [], [], [], [], []
     moved = written_by_memory = 0
     g = torch.Generator().manual_seed(0)
     for _ in range(args.repeats):
@@ -104,6 +106,8 @@ def one_model(name: str, args, rows: list) -> None:
             if mode == "memory":
                 record = trainer.sync_weights(LocalReceivers(worker, run, (ckpt, 0)), bucket_bytes=args.bucket_mb << 20)
                 memory.append(time.perf_counter() - t0)
+                pack.append(record.pack_s)
+                wait.append(record.wait_s)
                 moved = record.num_bytes
                 written_by_memory += dir_bytes(weights_dir) - before
             else:
@@ -124,7 +128,7 @@ def one_model(name: str, args, rows: list) -> None:
     rows.append([name, f"{params / 1e6:.1f}M", f"{moved / 2**20:,.0f}", f"{m:.3f}", f"{moved / m / 1e9:.2f}",
                  f"{written_by_memory}", f"{d:.3f}", f"{statistics.median(publish):.3f}",
                  f"{statistics.median(load):.3f}", f"{moved / d / 1e9:.2f}", f"{d / m:.1f}x", f"{max(gaps):.1e}",
-                 f"{memory[0]:.3f}"])
+                 f"{memory[0]:.3f}", f"{statistics.median(pack):.3f}", f"{statistics.median(wait):.3f}"])
 
 
 def main() -> None:
@@ -149,7 +153,7 @@ def main() -> None:
     print(f"\n### Weight sync, trainer -> engine ({args.repeats} of each, median; buckets of {args.bucket_mb} MB)\n")
     print(table(["model", "params", "MB moved", "memory s", "memory GB/s", "bytes written (memory)", "disk s",
                  "disk: publish s", "disk: engine load s", "disk GB/s", "disk / memory", "max |logp gap|",
-                 "memory s, first sync"], rows))
+                 "memory s, first sync", "memory: trainer packing s", "memory: waiting for the engine s"], rows))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ def stream_weights(policy: nn.Module, receivers: Receivers | None, *, version: i
     # gather releases them when the stream moves to the next layer
     by_reference = zero_stage < 3 and not expert_parallel_layers(policy)
     receivers.begin(version)
+    ring.restart()
     tensors = checkpoint_tensors(policy, zero_stage=zero_stage, rank=rank)
     t = time.perf_counter()
     for entries in split_into_buckets(tensors, ring.capacity, dtype=dtype):

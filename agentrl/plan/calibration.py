@@ -25,6 +25,14 @@ WEIGHT_IPC_COPY_FRACTION = 0.47
 # flash varlen path gave the same peaks at 8K / 32K / 128K (1.52 / 4.77 / 18.55 GiB, 2026-12-01; 256K not re-run).
 SMALL_ACTIVATION_BYTES_PER_TOKEN = (36.97 - 18.55) * GiB / (262144 - 131072)
 SMALL_ACTIVATION_ATTN_RES_MIX = "fused"
+# Under context parallelism the last rank of a sequence recomputes and back-propagates each MLA layer over the whole
+# sequence's keys and values — expanded from the all-gathered latents, values padded to the key head dim for the
+# kernel, and their gradients — where the model's `kv` counts one bf16 copy: this many `kv`s per token of the whole
+# sequence. Fitted on the `small` preset at 256K tokens, CP = 2, one H200 (`bench_gpu.py cp-memory`, 2026-12-03:
+# 27.9 GiB peak above the weights on the heavier rank; without the term the model gave 19.8); at 64K, CP = 2 the
+# fitted model gives 8.0 GiB against 7.2 measured (over, on the safe side). KDA's widened value columns under CP are
+# inside the fit. Attending in the latent space (W_UK absorbed into the queries) would remove most of it.
+CP_MLA_KV_FACTOR = 9.26
 
 # ------------------------------------------------------------------------------------------------------------------
 # Assumptions (not measured here): the H200's datasheet figures and efficiencies of collectives and decoding.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from agentrl.plan.calibration import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, CALIBRATION_PRESET, KDA_CHUNK,
+from agentrl.plan.calibration import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, CALIBRATION_PRESET, CP_MLA_KV_FACTOR,
+                                        KDA_CHUNK,
                                         SMALL_ACTIVATION_ATTN_RES_MIX, SMALL_ACTIVATION_BYTES_PER_TOKEN)
 from agentrl.plan.counts import ModelShape, layer_params
 from agentrl.plan.layout import Layout, Workload, stages
@@ -97,7 +98,8 @@ class Memory:
     activations_transient: float
     logits: float
     # parts of activations_transient, for the report: fla's per-chunk KDA states of one layer (forward and
-    # gradient), one MLA layer's expanded keys and values of the whole sequence (all CP ranks' tokens)
+    # gradient), one MLA layer's expanded keys and values of the whole sequence (all CP ranks' tokens; under CP as
+    # calibrated: calibration.CP_MLA_KV_FACTOR)
     kda_states: float = 0.0
     mla_kv: float = 0.0
 
@@ -152,10 +154,12 @@ def memory_by_stage(cfg, layout: Layout, workload: Workload, act_scale: float = 
 
         in_flight = min(layout.pp - s, num_micro)  # 1F1B: stage s holds pp − s micro-batches
         stored = stored_activation_bytes_per_token(cfg, layers, workload, last_stage=last)
-        # under CP an MLA layer also holds the other ranks' expanded keys and values (the whole sequence's)
+        # under CP an MLA layer's last rank holds the whole sequence's expanded keys and values and what comes with
+        # them (calibration.CP_MLA_KV_FACTOR): per token of its slice, cp tokens' worth
         kv = BYTES_WEIGHT * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        sequence_kv = CP_MLA_KV_FACTOR * kv * layout.cp if layout.cp > 1 else 0.0
         transient = max(transient_activation_bytes_per_token(cfg, i, context=workload.context)
-                        + (0 if cfg.is_kda_layer(i) else kv * (layout.cp - 1)) for i in layers)
+                        + (0 if cfg.is_kda_layer(i) else sequence_kv) for i in layers)
         # ZeRO-3 holds two layers gathered (computing, prefetched): all their non-expert weights, their expert shard
         gather = 2 * BYTES_WEIGHT * (biggest[0] + biggest[1] / layout.ep) if layout.zero == 3 else 0.0
         # the log-prob head's chunk of fp32 logits, live three times over (logits, exp, product or gradient)
@@ -163,8 +167,8 @@ def memory_by_stage(cfg, layout: Layout, workload: Workload, act_scale: float = 
         kda_states = mla_kv = 0.0
         if any(cfg.is_kda_layer(i) for i in layers):
             kda_states = 2 * 4 * cfg.kda_num_heads * cfg.kda_head_dim**2 / KDA_CHUNK * micro_tokens
-        if not all(cfg.is_kda_layer(i) for i in layers):
-            mla_kv = kv * workload.micro_batch_tokens
+        if not all(cfg.is_kda_layer(i) for i in layers):  # the whole sequence's, and under CP what comes with them
+            mla_kv = kv * workload.micro_batch_tokens * (CP_MLA_KV_FACTOR if layout.cp > 1 else 1.0)
         mem = Memory(stage=s, layers=(layers[0], layers[-1]), kda_states=kda_states, mla_kv=mla_kv,
                      weights=sharded(BYTES_WEIGHT, 3), gradients=sharded(BYTES_GRAD, 2),
                      optimizer=sharded(BYTES_OPTIMIZER, 1), zero3_gather=gather,

@@ -58,6 +58,11 @@ def test_own_env_trains_from_the_project_directory(project, tmp_path):
     assert [step for step, _ in read_metric_history(str(run_dir), "train/loss")] == [1, 2]
     assert [step for step, _ in read_metric_history(str(run_dir), "train/groups_trained")] == [1, 2]
     assert mlflow_status(run_dir) == "FINISHED"
+    # the run ends with its summary and the commands that show and evaluate it
+    summary = done.stdout[done.stdout.index("run summary"):]
+    assert "status" in summary and "FINISHED" in summary and f"{run_dir}/weights/v" in summary, summary
+    assert f" eval {ROOT}/configs/quickstart.yaml env.id={ENV_ID} run_dir={run_dir}" in summary, summary
+    assert summary.rstrip().endswith(f"--checkpoint {run_dir}"), summary
     # the Ray workers' episodes ran the user's env with its own kwargs (every value scaled by 2), without failing
     from transformers import AutoTokenizer
 

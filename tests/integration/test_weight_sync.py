@@ -78,6 +78,7 @@ def test_successive_in_memory_syncs_serve_the_trainers_logprobs(model_dir, local
             assert record.num_buckets > 10 and not record.failed
             assert run(worker.version()) == trainer.version == record.version
             trajectories = run(worker.generate(REQUESTS))
+            assert not any(t.failure for t in trajectories), [(t.status, t.failure, t.error) for t in trajectories]
             assert {v for t in trajectories for v in t.versions if v >= 0} == {trainer.version}
             assert max_logprob_gap(trajectories, trainer.logprobs(trajectories)) < 1e-4
     finally:

@@ -208,8 +208,26 @@ def test_in_memory_sync_moves_each_gpus_engine_shard_in_parallel():
     assert weight_sync_s(shard, 16, many) == pytest.approx(
         shard / (many.inter_node_bytes_s_per_gpu * COLLECTIVE_EFFICIENCY) + shard / ipc)
     # at K3 scale the stream costs seconds where gathering the weights onto one GPU cannot even fit
-    k3 = make_plan(preset_config("k3"), Cluster(num_gpus=1024), Workload(context=1 << 20))
+    k3 = make_plan(preset_config("k3"), Cluster(num_gpus=1024), Workload(context=1 << 17))
     assert k3.weight_sync_s < 10 < k3.weight_gather_s
+
+
+def test_a_cp_rank_holds_the_whole_sequences_mla_keys_as_measured():
+    """The last CP rank's MLA layer works over the whole sequence's keys: calibrated on the `small` preset at 256K
+    tokens, CP = 2 (27.9 GiB above the weights measured on one H200), that term does not shrink with more ranks."""
+    from agentrl.plan.calibration import CP_MLA_KV_FACTOR
+
+    small = preset_config("small")
+    work = Workload(context=262144, micro_batch_tokens=262144, tokens_per_step=262144)
+
+    def above_weights(cp: int) -> float:
+        m = memory_per_gpu(small, Layout(cp=cp), work, activation_scale())
+        return (m.activations_stored + m.activations_transient + m.logits) / 2**30 + 0.59  # + the bf16 gradients
+
+    assert above_weights(2) == pytest.approx(27.87, rel=0.01)
+    kv = 2 * 16 * (64 + 64 + 64)  # bf16 × heads × (nope + rope + v)
+    whole = CP_MLA_KV_FACTOR * kv * 262144 * activation_scale() / 2**30
+    assert whole < above_weights(8) < above_weights(2)  # more ranks shrink the rest, never the whole-sequence term
 
 
 def test_decode_state_by_hand():

@@ -7,7 +7,7 @@ import xml.dom.minidom
 
 import pytest
 
-from agentrl.report import RunCurves, svg_chart, table_report, write_report
+from agentrl.report import RunCurves, summary_text, svg_chart, table_report, write_report
 from agentrl.tracking import Tracker, TrackingConfig
 
 
@@ -16,7 +16,8 @@ def run_dir(tmp_path):
     tracker = Tracker(TrackingConfig(experiment="t"), str(tmp_path / "run"))
     for step in range(3):
         tracker.log_metrics({"sft/loss": 3.0 - step}, step=step)
-    tracker.log_metrics({"eval/success_rate": 0.1}, step=0)
+    tracker.log_metrics({"eval/success_rate": 0.1, "time/eval_s": 30.0, "phase/setup_s": 50.0}, step=0)
+    tracker.log_metrics({"time/sft_s": 200.0, "sft/steps_run": 3}, step=2)
     for step in range(1, 11):
         tracker.log_metrics({"rollout/success_rate": step / 20, "rollout/reward_mean": step / 10,
                              "rollout/reward/correct": step / 10, "rollout/reward/format": -0.01 * step,
@@ -36,7 +37,7 @@ def test_the_page_holds_the_panels_with_data_and_a_summary(run_dir):
                       "Step time by phase (s)", "SFT warm start"]  # panels without data are left out
     assert "rollout/reward/correct (last 1)" in page and "rollout/reward/format (last -0.1)" in page
     assert "0.150 → 0.400 (+25.0 points)" in page  # first and last five steps of the training success rate
-    assert "held-out success, first → last evaluation</td><td><b>0.100 → 0.400" in page
+    assert "held-out success (greedy), before → after RL</td><td><b>0.100 (step 0) → 0.400 (step 10)" in page
     for svg in re.findall(r"<svg.*?</svg>", page, re.S):
         xml.dom.minidom.parseString(svg)  # well-formed
 
@@ -60,3 +61,27 @@ def test_the_table_and_the_command(run_dir):
     missing = subprocess.run([sys.executable, "-m", "agentrl.cli", "report", f"{run_dir}/nope"], capture_output=True,
                              text=True)
     assert missing.returncode == 1 and "is it the run_dir of an agentrl job?" in missing.stderr
+
+
+def test_the_summary_a_finished_run_prints(run_dir, tmp_path):
+    import os
+
+    from agentrl.trainer.publish import LATEST_FILE, WEIGHTS_DIR
+
+    os.makedirs(f"{run_dir}/{WEIGHTS_DIR}/v13")
+    open(f"{run_dir}/{WEIGHTS_DIR}/{LATEST_FILE}", "w").write("v13")
+    text = summary_text(RunCurves(run_dir), prog=".venv/bin/agentrl",
+                        eval_command="agentrl eval c.yaml --checkpoint " + run_dir)
+    lines = [line.strip() for line in text.splitlines()]
+    row = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in lines if "  " in line}
+    assert row["status"] == "FINISHED" and row["RL steps"] == "10"
+    assert row["training success, first → last 5 steps"] == "0.150 → 0.400 (+25.0 points)"
+    assert row["reward, first → last 5 steps"] == "0.300 → 0.800 (+0.500)"
+    assert row["held-out success (greedy), before → after RL"] == "0.100 (step 0) → 0.400 (step 10)"
+    # sums over the steps: set-up 50 s, SFT 200 s, rollout 10 × 4 s, training 10 × 2 s, evaluation 30 s
+    assert row["wall time by phase"] == ("set-up 50 s, SFT warm start 3.3 min, RL rollout 40 s, RL training 20 s, "
+                                         "held-out evaluation 30 s")
+    assert row["newest weights"] == f"{run_dir}/{WEIGHTS_DIR}/v13 (version 13)"
+    assert "mlflow ui --backend-store-uri sqlite:///" in row["MLflow"]
+    assert f"the curves on one page:  .venv/bin/agentrl report {run_dir}" in lines
+    assert f"evaluate the weights:    agentrl eval c.yaml --checkpoint {run_dir}" in lines

@@ -68,6 +68,22 @@ def test_a_buffer_is_refilled_only_after_its_reader_is_done():
     assert events == ["pack 0", "pack 1", "pack 2", "read 0", "pack 3", "read 1", "read 2", "read 3"]
 
 
+def test_each_transfer_starts_at_the_first_buffer_after_the_last_readers():
+    """A model that fits one bucket goes through the same buffer every sync (a second buffer would pay its first
+    touch again), numbered 0 within each transfer, and only once the previous transfer's reader is done."""
+    events: list[str] = []
+    with BucketRing.create("shm", 64, count=2) as ring:
+        for sync in range(3):
+            ring.restart()
+            events.append(f"sync {sync}")
+            meta = ring.pack([("w", torch.full((4,), float(sync)), None)])
+            assert meta.index == 0 and meta.location == ring.locations[0]
+            ring.reuse(meta.index, lambda s=sync: events.append(f"read {s}"))
+            assert unpack(meta).__next__()[1].tolist() == [float(sync)] * 4
+        ring.drain()
+    assert events == ["sync 0", "read 0", "sync 1", "read 1", "sync 2", "read 2"]
+
+
 def test_a_dead_senders_buffers_are_deleted_by_the_next_ring(tmp_path):
     import os
     import subprocess
