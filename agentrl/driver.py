@@ -32,6 +32,7 @@ from agentrl.config import ConfigError, JobConfig, check_checkpoint, check_env
 from agentrl.failures import (ActorLost, EnvCodeError, FailureWatch, JobFailed, describe_failures, first_line,
                               lost_actor)
 from agentrl.interrupt import JobInterrupted, StopRequest
+from agentrl.report import duration
 from agentrl.rollout.agent_loop import EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.policy_engine import EngineSpec
 from agentrl.tracking import Tracker
@@ -323,24 +324,19 @@ class Progress:
             parts.append(f"held-out success {metrics['eval/success_rate']:.3f}")
         if failures:
             parts.append(failures)
-        parts.append(f"{step_s:.0f}s" + (f", ETA {_duration(left)}" if step < self.last_step else ""))
+        parts.append(f"{step_s:.0f}s" + (f", ETA {duration(left)}" if step < self.last_step else ""))
         if groups.trained:
             log.info(" | ".join(parts))
         else:
             log.warning(" | ".join(parts) + " | nothing trained: the policy did not change this step")
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f}h" if seconds >= 5400 else f"{seconds / 60:.0f}m" if seconds >= 90 else \
-        f"{seconds:.0f}s"
-
-
 def _sft_pace(elapsed: float, done: int, left: int, target: float | None) -> str:
     """The SFT progress line's timing: the warm start may end at its success target long before its step cap, so
     the time left is an upper bound."""
-    pace = f"{elapsed / done:.1f}s/step, {_duration(elapsed)} so far"
+    pace = f"{elapsed / done:.1f}s/step, {duration(elapsed)} so far"
     if left:
-        pace += f", at most {_duration(elapsed / done * left)} left"
+        pace += f", at most {duration(elapsed / done * left)} left"
         if target is not None:
             pace += f" (it ends once held-out success reaches {target})"
     return pace

@@ -127,7 +127,7 @@ def summary_rows(curves: RunCurves) -> list[tuple[str, str]]:
     spent = [(label, sum(v for k in keys if k in curves.keys for _, v in curves.history(k))) for label, keys in PHASES]
     spent = [(label, s) for label, s in spent if s > 0]
     if spent:
-        rows.append(("wall time by phase", ", ".join(f"{label} {_duration(s)}" for label, s in spent)))
+        rows.append(("wall time by phase", ", ".join(f"{label} {duration(s)}" for label, s in spent)))
     latest = latest_weights(curves.run_dir)
     if latest is not None:
         rows.append(("newest weights", f"{latest[1]} (version {latest[0]})"))
@@ -150,7 +150,8 @@ def summary_text(curves: RunCurves, *, prog: str = "agentrl", eval_command: str)
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """A length of time as the terminal shows it: seconds, minutes to a tenth, hours past 90 minutes."""
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min" if seconds >= 90 else \
         f"{seconds:.0f} s"
 

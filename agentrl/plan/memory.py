@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 
 from agentrl.plan.calibration import (BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT, CALIBRATION_PRESET, CP_MLA_KV_FACTOR,
-                                        KDA_CHUNK,
-                                        SMALL_ACTIVATION_ATTN_RES_MIX, SMALL_ACTIVATION_BYTES_PER_TOKEN)
+                                        KDA_CHUNK, SMALL_ACTIVATION_ATTN_RES_MIX, SMALL_ACTIVATION_BYTES_PER_TOKEN)
 from agentrl.plan.counts import ModelShape, layer_params
 from agentrl.plan.layout import Layout, Workload, stages
 
