@@ -10,8 +10,12 @@
     python scripts/bench_gpu.py cp-memory    # memory per rank under context parallelism (ranks sharing the GPU)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
     python scripts/bench_gpu.py trainer      # agentrl's DeepSpeed step (ZeRO-2/3) vs the bare fwd+bwd, same tokens
+                                             # (--out DIR: a profile of each ZeRO step; --variants [NAME ...]: the
+                                             # ablation over TRAINER_VARIANTS' engine settings)
     python scripts/bench_gpu.py profile      # wall vs GPU-busy time and torch.profiler kernel tables of one fwd+bwd
                                              # (--tokens, --models, --out FILE for the full tables)
+    python scripts/bench_gpu.py throughput --models kimi-linear-4l k3-4l --tokens 8192 32768
+                                             # the same at the layer shapes of Kimi Linear 48B and of K3
     python scripts/bench_gpu.py all          # throughput, gate, memory, publish, weight-ipc, host
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
@@ -69,6 +73,36 @@ def agentrl_small(**overrides) -> Built:
     model = HybridMoEForCausalLM(config)
     total, active = model.parameter_counts()
     return Built(model, total, active, _mla_layers(config))
+
+
+REAL_WIDTHS = {
+    # Kimi Linear 48B's layer shapes in 4 layers (3 KDA + 1 MLA, all 256 experts top-8): 8.2B / 1.2B active
+    "kimi-linear-4l": ("kimi-linear-48b-a3b", dict(num_hidden_layers=4, linear_attn_config=dict(
+        kda_layers=[1, 2, 3], full_attn_layers=[4]))),
+    # K3's layer shapes in 4 layers (3 KDA + 1 MLA) with 64 of its 896 experts (top-16), so that it fits one GPU
+    "k3-4l": ("k3", dict(num_hidden_layers=4, num_experts=64, linear_attn_config=dict(
+        kda_layers=[1, 2, 3], full_attn_layers=[4]))),
+}
+
+
+def real_width_model(name: str) -> HybridMoEForCausalLM:
+    """A REAL_WIDTHS model, or `small`, built in bf16 straight on the GPU (the real widths are 8–13B parameters)."""
+    preset, overrides = ("small", {}) if name == "small" else REAL_WIDTHS[name]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return HybridMoEForCausalLM(preset_config(preset, **overrides))
+    finally:
+        torch.set_default_dtype(default)
+
+
+def agentrl_real_width(name: str):
+    def build() -> Built:
+        model = real_width_model(name)
+        total, active = model.parameter_counts()
+        return Built(model, total, active, _mla_layers(model.config))
+    return build
 
 
 def _mla_layers(config) -> list[tuple[int, int, int]]:
@@ -215,13 +249,17 @@ MODELS = {
     "fla": ("fla KDAForCausalLM", fla_kda, hf_loss, True),
     "fla-hybrid": ("fla KDAForCausalLM + softmax layers 4, 8", fla_hybrid, hf_loss, True),
     "kimi": ("transformers KimiLinearForCausalLM", kimi_linear, hf_loss, True),
+    "kimi-linear-4l": ("agentrl at Kimi Linear 48B's width, 4 layers", agentrl_real_width("kimi-linear-4l"),
+                       agentrl_loss, True),
+    "k3-4l": ("agentrl at K3's width, 4 layers, 64 experts", agentrl_real_width("k3-4l"), agentrl_loss, True),
 }
+DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real widths only when asked for
 
 
 def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> None:
     rows = []
     results: dict[str, dict[int, str]] = {}
-    for name, build, loss_fn, fused in (MODELS[m] for m in (models or list(MODELS))):
+    for name, build, loss_fn, fused in (MODELS[m] for m in (models or DEFAULT_MODELS)):
         torch.manual_seed(0)
         try:
             built = build()
@@ -388,28 +426,12 @@ def bench_publish() -> None:
     print(flush=True)
 
 
-def _ipc_model(name: str) -> HybridMoEForCausalLM:
-    """`small`, or Kimi Linear 48B's widths in 4 layers (3 KDA + 1 MLA, 256 experts top-8: 8.2B parameters), bf16."""
-    if name == "small":
-        config = preset_config("small")
-    else:
-        config = preset_config("kimi-linear-48b-a3b", num_hidden_layers=4,
-                               linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4]))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            return HybridMoEForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-
-
 def _ipc_receiver(name: str, requests, replies) -> None:
     """The second process on the GPU: builds the same model, then copies each bucket it is told of into it."""
     from agentrl.weight_buckets import BucketMeta, unpack
 
     torch.manual_seed(1)  # other weights than the sender's, until the buckets arrive
-    model = _ipc_model(name)
+    model = real_width_model(name)
     state = model.state_dict()
     replies.put("ready")
     while (message := requests.get()) is not None:
@@ -443,7 +465,7 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
         receiver = ctx.Process(target=_ipc_receiver, args=(name, requests, replies))
         receiver.start()
         torch.manual_seed(0)
-        model = _ipc_model(name)
+        model = real_width_model(name)
         state = model.state_dict()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         assert replies.get(timeout=600) == "ready"
@@ -564,13 +586,79 @@ def _trainer_batch(vocab: int, tokens: int, sequences: int = 8):
     return batch
 
 
-def _trainer_rank(what: str, tokens: int, repeats: int, port: int, results) -> None:
+def _profile_trainer_step(trainer, batch, out: str) -> None:
+    """One PolicyTrainer.step under torch.profiler, its phases labelled (the host time each phase holds the step,
+    the kernels it launches): where the DeepSpeed step's time over the bare forward + backward goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from agentrl.trainer import policy_trainer
+
+    def labelled(label, fn):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    patched = [(trainer.engine, "backward"), (trainer.engine, "step"), (trainer.engine, "get_global_grad_norm"),
+               (trainer.policy, "update_expert_bias"), (trainer, "_sum_over_ranks"),
+               (policy_trainer, "micro_batch_loss")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patched]
+    for obj, name, fn in saved:
+        setattr(obj, name, labelled(f"phase:{name}", fn))
+    try:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.step(batch)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    avg = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    phases = [[e.key, f"{e.cpu_time_total / 1e3:.1f}", e.count] for e in avg if e.key.startswith("phase:")]
+    text = (f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n"
+            + table(["phase", "host ms (incl. waits)", "calls"], phases) + "\n\n"
+            + avg.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=90) + "\n\n"
+            + avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
+    with open(out, "w") as f:
+        f.write(text)
+    print(text.split("\n\n")[0], "\n", table(["phase", "host ms (incl. waits)", "calls"], phases), flush=True)
+
+
+# DeepSpeed variants of the step for the ablation (`trainer --variants`): (ZeRO stage, engine-config overrides merged
+# into zero.engine_config's, Quantile Balancing on); each names one suspect of the cost around the bare step.
+TRAINER_VARIANTS = {
+    "zero2": (2, {}, True),
+    "zero3": (3, {}, True),
+    "zero2, overlap_comm off": (2, {"zero_optimization": {"overlap_comm": False}}, True),
+    "zero2, no overflow check": (2, {"bf16": {"check_grad_overflow": False}}, True),
+    "zero2, contiguous_gradients off": (2, {"zero_optimization": {"contiguous_gradients": False}}, True),
+    "zero2, reduce buckets 1e8": (2, {"zero_optimization": {"reduce_bucket_size": 10**8}}, True),
+    "zero2, no QB": (2, {}, False),
+    "zero3, no overflow check": (3, {"bf16": {"check_grad_overflow": False}}, True),
+    "zero3, all params persistent": (3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**10}},
+                                     True),
+    "zero3, prefetch 2e8": (3, {"zero_optimization": {"stage3_prefetch_bucket_size": 2 * 10**8}}, True),
+}
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _trainer_rank(what: str, tokens: int, repeats: int, port: int, results, profile_dir: str | None = None) -> None:
     """One measurement in a process of its own (a DeepSpeed engine leaves its process group behind): the bare
     forward + backward of the trainer's own micro-batches (what="bare"), the same plus a fused torch AdamW step
-    ("bare+adam"), or PolicyTrainer.step through DeepSpeed ("zero2", "zero3")."""
+    ("bare+adam"), or PolicyTrainer.step through DeepSpeed (a TRAINER_VARIANTS key)."""
     import tempfile
 
-    from agentrl.trainer import PolicyTrainer, TrainerConfig
+    from agentrl.trainer import PolicyTrainer, TrainerConfig, zero
     from agentrl.trainer.batching import plan_step
     from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
     from agentrl.trainer.losses import LossConfig, grpo_advantages
@@ -578,12 +666,22 @@ def _trainer_rank(what: str, tokens: int, repeats: int, port: int, results) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     config = preset_config("small")
     batch = _trainer_batch(config.vocab_size, tokens)
-    if what.startswith("zero"):
+    if what in TRAINER_VARIANTS:
+        stage, overrides, balancing = TRAINER_VARIANTS[what]
+        engine_config = zero.engine_config
+        zero.engine_config = lambda **kw: _merged(engine_config(**kw), overrides)
         with tempfile.TemporaryDirectory() as run_dir:
-            trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=int(what[-1]), dtype="bf16", lr=1e-6,
+            trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=stage, dtype="bf16", lr=1e-6,
                                                   micro_batch_tokens=tokens), config)
+            if not balancing:  # the routers neither observe nor update their biases
+                trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
+                trainer.policy.update_expert_bias = lambda **kw: {}
             seconds = median_seconds(lambda: trainer.step(batch), repeats)
+            if profile_dir:
+                name = what.replace(", ", "_").replace(" ", "-")
+                _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{name}_{tokens}.txt"))
             trainer.close()
+        zero.engine_config = engine_config
     else:
         torch.manual_seed(0)
         model = HybridMoEForCausalLM(config).to("cuda", torch.bfloat16).train()
@@ -605,20 +703,27 @@ def _trainer_rank(what: str, tokens: int, repeats: int, port: int, results) -> N
     results.put((what, seconds))
 
 
-def bench_trainer(tokens_list=(4096, 32768), repeats: int = 5) -> None:
+def bench_trainer(tokens_list=(4096, 32768), repeats: int = 5, profile_dir: str | None = None,
+                  variants: list[str] | None = None) -> None:
     """The `small` preset's full optimizer step through agentrl's DeepSpeed trainer (ZeRO-2 and ZeRO-3, one GPU,
     bf16, gradient checkpointing on, as the trainer defaults) against the bare forward + backward of the same
     packed micro-batch in plain PyTorch, one run; each measurement in a process of its own, median of `repeats`
-    after a warm-up step."""
+    after a warm-up step. With `profile_dir`, each DeepSpeed step is also profiled once (tables written there); with
+    `variants` (TRAINER_VARIANTS keys; [] for all), those are timed too: the ablation of what costs more than the bare
+    step."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    rows = []
+    chosen = [] if variants is None else [v for v in TRAINER_VARIANTS if v not in ("zero2", "zero3")
+                                          and (not variants or v in variants)]
+    names = ["bare", "bare+adam", "zero2", "zero3", *chosen]
+    rows, ablation = [], []
     for tokens in tokens_list:
         got = {}
-        for what in ("bare", "bare+adam", "zero2", "zero3"):
+        for what in names:
             results = ctx.Queue()
-            proc = ctx.Process(target=_trainer_rank, args=(what, tokens, repeats, free_port(), results))
+            proc = ctx.Process(target=_trainer_rank, args=(what, tokens, repeats, free_port(), results,
+                                                           profile_dir if what in ("zero2", "zero3") else None))
             proc.start()
             got[what] = results.get(timeout=400)[1]
             proc.join()
@@ -626,9 +731,14 @@ def bench_trainer(tokens_list=(4096, 32768), repeats: int = 5) -> None:
         rows.append([f"{tokens:,}"] + [f"{got[w] * 1e3:.0f} ({tokens / got[w] / 1e3:.1f}K/s)"
                                        for w in ("bare", "bare+adam", "zero2", "zero3")]
                     + [f"{got['bare'] / got['zero2']:.2f}×", f"{got['bare'] / got['zero3']:.2f}×"])
+        ablation += [[f"{tokens:,}", w, f"{got[w] * 1e3:.0f}", f"{(got[w] - got['bare']) * 1e3:+.0f}",
+                      f"{got['bare'] / got[w]:.2f}×"] for w in names]
     print("\n### DeepSpeed around the step on one H200: `small` preset, bf16, ms per step (tokens/s)\n")
     print(table(["tokens", "bare fwd+bwd", "bare + fused AdamW", "ZeRO-2 step", "ZeRO-3 step", "ZeRO-2 vs bare",
                  "ZeRO-3 vs bare"], rows))
+    if chosen:
+        print("\n### What the DeepSpeed step costs over the bare fwd+bwd, by variant (ms per step)\n")
+        print(table(["tokens", "variant", "ms", "over bare", "bare / variant"], ablation))
     print(flush=True)
 
 
@@ -715,11 +825,15 @@ def main() -> None:
     parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "weight-ipc", "cp-memory", "host",
                                          "trainer", "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="profile: a file for the full tables; trainer: a folder for "
+                        "a profile of each DeepSpeed step")
     parser.add_argument("--cp", type=int, nargs="*", default=None, help="cp-memory: the degrees, each at every "
                         "--tokens length (default 64K at CP 1 and 2, 256K at CP 2)")
     parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of agentrl, "
-                        "unfused, fla, fla-hybrid, kimi (default all; profile: agentrl), in the order given")
+                        "unfused, fla, fla-hybrid, kimi, kimi-linear-4l, k3-4l (default the first five; profile: "
+                        "agentrl), in the order given")
+    parser.add_argument("--variants", nargs="*", default=None, help="trainer: also time these TRAINER_VARIANTS "
+                        "entries (none named: all)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "run through the device tool"
     if args.what in ("throughput", "all"):
@@ -738,7 +852,8 @@ def main() -> None:
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "trainer":
-        bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768))
+        bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768), profile_dir=args.out,
+                      variants=args.variants)
     if args.what == "profile":
         bench_profile(tuple(args.tokens) if args.tokens else (4096, 32768), args.models, args.out)
 

@@ -25,9 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(paths: list[str]) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={report}", *paths]
+        cmd = [sys.executable, "-m", "pytest", "-q", "--durations=5", f"--junitxml={report}", *paths]
         print(f"\n=== {' '.join(paths)}", flush=True)
+        start = time.time()
         code = subprocess.call(cmd, cwd=ROOT)
+        # One line per group, so a CI log shows where the suite's time goes when it grows.
+        print(f"=== {' '.join(paths)}: {time.time() - start:.0f}s", flush=True)
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         if os.path.exists(report):
             for suite in ET.parse(report).getroot().iter("testsuite"):
