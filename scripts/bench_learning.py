@@ -1,7 +1,7 @@
 """Does the quickstart learn on every seed? Runs it once per seed and prints what each run's MLflow store holds.
 
     .venv/bin/python scripts/bench_learning.py [--seeds 0 1 2 3 4] [--window 5] [--config configs/quickstart.yaml]
-        [key=value ...]
+        [--warm-starts ROOT] [key=value ...]
 
 Each seed is a full `agentrl train` of the config (SFT warm start, then RL) with `seed=S model.seed=S` (the tasks and
 sampling, and the fresh model's initial weights) in a run directory of its own, in a process of its own, as a user
@@ -10,6 +10,10 @@ success rate's mean over the first and the last five RL steps (sampled, temperat
 before RL (step 0, right after the warm start) and after it (the last step), the SFT steps the warm start took, and
 the run's wall time. The last rows are the mean and the smallest rise over the seeds, and each seed's curve. Issue 24's goal: every seed
 ≥ +15 points, the mean ≥ +20, held-out after ≥ before + 10 on every seed.
+
+`--warm-starts ROOT` measures an RL lever without paying for SFT again: each seed's RL starts from the weights its
+warm start ended with in an earlier run of this script under ROOT (ROOT/seedS/weights/v<SFT steps>), with
+`algorithm.sft_steps=0` and a fresh optimizer, so the seeds' RL phases compare with that run's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,20 @@ import subprocess
 import sys
 import tempfile
 import time
+
+def warm_start(root: str, seed: int) -> str:
+    """The weights seed `seed`'s warm start ended with in the earlier run under `root`."""
+    from agentrl.tracking import read_metric_history
+
+    run_dir = os.path.join(root, f"seed{seed}")
+    steps = read_metric_history(run_dir, "sft/steps_run")
+    if not steps:
+        raise SystemExit(f"{run_dir}: no SFT phase on record to start from")
+    path = os.path.join(run_dir, "weights", f"v{steps[-1][1]:.0f}")
+    if not os.path.isdir(path):
+        raise SystemExit(f"{path}: not there (the run publishes its weights right after SFT)")
+    return path
+
 
 def run_seed(config: str, seed: int, root: str, overrides: list[str], window: int) -> dict:
     from agentrl.tracking import read_metric_history, start_and_end
@@ -51,13 +69,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--window", type=int, default=5, help="RL steps in each of the first and last windows")
     parser.add_argument("--root", default=None, help="where the runs go (default: a new temporary directory)")
+    parser.add_argument("--warm-starts", default=None, help="an earlier run's --root: RL only, from each seed's warm "
+                        "start there")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="bench_learning_")
     os.makedirs(root, exist_ok=True)
     rows = {}
     for seed in args.seeds:
-        rows[seed] = r = run_seed(args.config, seed, root, args.overrides, args.window)
+        overrides = args.overrides
+        if args.warm_starts:
+            overrides = [f"model.checkpoint={warm_start(args.warm_starts, seed)}", "algorithm.sft_steps=0", *overrides]
+        rows[seed] = r = run_seed(args.config, seed, root, overrides, args.window)
         print(f"seed {seed}: success {r['start']:.3f} -> {r['end']:.3f}, held-out {r['before']:.3f} -> "
               f"{r['after']:.3f}, {r['wall'] / 60:.1f} min", flush=True)
     print(f"\n{args.config} {' '.join(args.overrides)}, runs in {root}\n")
