@@ -6,7 +6,7 @@ at once while LATEST named it. Now SIGINT checkpoints at the step boundary (exit
 says how to resume), the warm start ends with a checkpoint of its own, and a kill -9 of the whole job resumes from
 the last checkpoint. A checkpoint every 3 steps here (the shipped config has one every step): the kill -9 loses the
 steps after the last one, which are redone, and MLflow still holds every step exactly once (a step is logged once it
-is checkpointed)."""
+is checkpointed). Then the finished run, given more steps, continues where it ended."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ SHORT = ["rollout.group_size=2", "rollout.groups_per_step=2", "env.eval_tasks=2"
          "algorithm.steps=5", "cluster.trainer_cpus=0.5", "cluster.rollout_cpus=0.5", "trainer.num_threads=1"]
 
 
-def start(run_dir: str) -> subprocess.Popen:
+def start(run_dir: str, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", "configs/quickstart.yaml",
-                             f"run_dir={run_dir}", *SHORT, "algorithm.checkpoint_every=3"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             f"run_dir={run_dir}", *SHORT, "algorithm.checkpoint_every=3", *overrides], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def wait_for(proc: subprocess.Popen, line: str, timeout: float = 600) -> list[str]:
@@ -86,3 +87,11 @@ def test_sigint_then_kill_9_then_resume_loses_nothing(tmp_path):
     assert all(n == 4 for _, n in read_metric_history(run_dir, "rollout/episodes"))
     version, path = latest_weights(run_dir)
     assert os.path.isdir(path) and version == 3 + 5
+
+    # a finished run given more steps continues its curves (no warm start again, the new steps after the old)
+    fourth = start(run_dir, "algorithm.steps=7")
+    out, _ = fourth.communicate(timeout=900)
+    assert fourth.returncode == 0, out[-3000:]
+    assert [step for step, _ in read_metric_history(run_dir, "sft/loss")] == [0, 1, 2]
+    assert [step for step, _ in read_metric_history(run_dir, "train/loss")] == [1, 2, 3, 4, 5, 6, 7]
+    assert latest_weights(run_dir)[0] == 3 + 7

@@ -68,20 +68,6 @@ def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypa
         assert all(v < 1e-3 for _, v in metric_history(run_dir, "train/train_infer_abs_logp_diff"))
 
 
-def test_a_killed_run_resumes_and_its_curves_continue(tmp_path, ray_session):
-    from agentrl.driver import run_job
-
-    run_dir = str(tmp_path / "resume")
-    overrides = SHORT + [f"run_dir={run_dir}", "cluster.trainer_ranks=1", "trainer.zero_stage=2"]
-    job, resolved = load_config("configs/quickstart.yaml", overrides + ["algorithm.steps=2"])
-    run_job(job, resolved)  # stands for a run killed after its step-2 checkpoint
-    job, resolved = load_config("configs/quickstart.yaml", overrides + ["algorithm.steps=4"])
-    final = run_job(job, resolved)
-    assert final["policy_version"] == 2 + 4
-    assert [s for s, _ in metric_history(run_dir, "train/loss")] == [1, 2, 3, 4]
-    assert len(metric_history(run_dir, "sft/loss")) == 2  # the warm start is not repeated on resume
-
-
 def test_an_rl_step_trains_with_context_parallelism(tmp_path, ray_session):
     """trainer.context_parallel=2: the two ranks split every micro-batch's tokens (issue 23); the weights they end
     with reach the engine in memory and the run publishes them."""
