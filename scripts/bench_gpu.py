@@ -618,14 +618,14 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
             setattr(obj, name, fn)
     avg = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
-    phases = [[e.key, f"{e.cpu_time_total / 1e3:.1f}", e.count] for e in avg if e.key.startswith("phase:")]
-    text = (f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n"
-            + table(["phase", "host ms (incl. waits)", "calls"], phases) + "\n\n"
-            + avg.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=90) + "\n\n"
-            + avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
+    phases = table(["phase", "host ms (incl. waits)", "calls"],
+                   [[e.key, f"{e.cpu_time_total / 1e3:.1f}", e.count] for e in avg
+                    if e.key.startswith("phase:") and e.device_type == DeviceType.CPU])
+    head = f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n{phases}"
     with open(out, "w") as f:
-        f.write(text)
-    print(text.split("\n\n")[0], "\n", table(["phase", "host ms (incl. waits)", "calls"], phases), flush=True)
+        f.write(head + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=90)
+                + "\n\n" + avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
+    print(head, flush=True)
 
 
 # DeepSpeed variants of the step for the ablation (`trainer --variants`): (ZeRO stage, engine-config overrides merged

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+
 def warm_start(root: str, seed: int) -> str:
     """The weights seed `seed`'s warm start ended with in the earlier run under `root`."""
     from agentrl.tracking import read_metric_history

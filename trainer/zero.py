@@ -84,8 +84,8 @@ def engine_config(*, zero_stage: int, bf16: bool, grad_clip: float, zero3_param_
 
     On a GPU, ZeRO-2 overlaps its gradient reduction with the backward (`overlap_comm`, DeepSpeed's default only for
     ZeRO-3): without it the reduction runs parameter by parameter after the backward, on the compute stream, and the
-    `small` preset's step on one H200 took 304 ms against 217 ms with it at 4K tokens (docs/benchmarks.md, "DeepSpeed
-    around the step"). The CPU accelerator has no side streams to overlap on.
+    `small` preset's step on one H200 took 304 ms against 217 ms with it at 4K tokens (docs/benchmarks.md, "Where
+    DeepSpeed's time goes"). The CPU accelerator has no side streams to overlap on.
     """
     zero: dict = {"stage": zero_stage}
     if zero_stage == 2 and torch.cuda.is_available():
