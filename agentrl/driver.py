@@ -17,6 +17,7 @@ store (agentrl.rollout.snapshots).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -54,8 +55,15 @@ def run_job(job: JobConfig, resolved: DictConfig | None = None, *, rl: bool = Tr
     import ray
 
     check_env(job)  # a bad env setting fails here, before any actor starts
-    connect(job)
-    tracker = Tracker(job.tracking, job.run_dir)
+    # MLflow's store set-up (its imports and the sqlite schema: ~5 s of one core) runs while Ray starts its processes
+    with concurrent.futures.ThreadPoolExecutor(1) as background:
+        tracking = background.submit(Tracker, job.tracking, job.run_dir)
+        try:
+            connect(job)
+        except BaseException:
+            tracking.result().finish("FAILED")
+            raise
+        tracker = tracking.result()
     log.info("MLflow run %r: %s", os.path.basename(os.path.abspath(job.run_dir)), tracker.run_page())
     restarts = 0
     try:

@@ -26,12 +26,17 @@ Settings and why:
   retention also keeps the states of blocks completed while decoding (measured: a 100-token prompt with 80 sampled
   tokens, continued, is served 160 tokens from the cache instead of 96). The retained states are evictable blocks:
   they cost cache space only while nothing else needs it.
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (tests set it) keeps the offline `LLM` in one process; `AsyncLLM` runs its
-  engine core in a separate process either way unless that variable is 0.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (tests set it) keeps the offline `LLM` in one process. `AsyncLLM` always runs
+  its engine core in a process of its own; on CPU, `start_async_llm` runs the model's worker inside that process
+  instead of a third one (vLLM's CPU default). In a Ray actor vLLM must spawn, and each spawned process re-imports
+  vLLM, torch, transformers and the plugin (~16-18 s on this machine), so the third process cost a rollout worker
+  18 s of every start (measured: engine ready in 44 s -> 26 s). The worker's OpenMP binding, which vLLM's CPU
+  platform sets only in a process of its own, is one thread either way here: vLLM serves with one torch thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -94,15 +99,42 @@ def make_llm(model_dir: str, *, capture_routing: bool = True, weight_version: in
 
 async def make_async_llm(model_dir: str, *, capture_routing: bool = True, weight_version: int = 0, **kwargs: Any):
     """A `vllm.v1.engine.async_llm.AsyncLLM` for an agentrl checkpoint (kwargs: `engine_kwargs`)."""
-    from vllm import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     args = engine_kwargs(model_dir, **kwargs)
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    engine = start_async_llm(args)
     if "worker_extension_cls" in args:
         await engine.collective_rpc("agentrl_setup",
                                     kwargs={"capture_routing": capture_routing, "version": weight_version})
     return engine
+
+
+def start_async_llm(kwargs: dict[str, Any]):
+    """`AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))`; on CPU with one worker, the worker runs inside the
+    engine core's process (the module doc says why). vLLM reads the variable when it builds the config and the
+    spawned engine core inherits it; it is restored in this process afterwards."""
+    from vllm import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    one_worker = all(kwargs.get(k, 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                     "data_parallel_size"))
+    if not (current_platform.is_cpu() and one_worker and kwargs.get("distributed_executor_backend") in (None, "uni")):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, "distributed_executor_backend": "uni"}))
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # --- weight updates ------------------------------------------------------------------------------------------------

@@ -87,9 +87,6 @@ class PolicyEngine:
         (upstream vLLM's Kimi model on CUDA when `implementation` is "auto"), with versioned in-place weight updates
         and routing capture; any other model vLLM supports is served natively and reloads with vLLM's own
         `reload_weights`."""
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         from agentrl.rollout import engine as engines
 
         if _model_type(spec.model) == "kimi_linear":
@@ -111,7 +108,7 @@ class PolicyEngine:
             kwargs.setdefault("logits_processors", [engines.FORCED_TOKENS_PROCESSOR])
             if spec.return_routed_experts:
                 kwargs["enable_return_routed_experts"] = True
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        llm = engines.start_async_llm(kwargs)
         plugin = kwargs.get("worker_extension_cls") == engines.WORKER_EXTENSION
         if plugin:
             await llm.collective_rpc("agentrl_setup", kwargs={"capture_routing": spec.return_routed_experts,

