@@ -30,8 +30,10 @@ Settings and why:
   its engine core in a process of its own; on CPU, `start_async_llm` runs the model's worker inside that process
   instead of a third one (vLLM's CPU default). In a Ray actor vLLM must spawn, and each spawned process re-imports
   vLLM, torch, transformers and the plugin (~16-18 s on this machine), so the third process cost a rollout worker
-  18 s of every start (measured: engine ready in 44 s -> 26 s). The worker's OpenMP binding, which vLLM's CPU
-  platform sets only in a process of its own, is one thread either way here: vLLM serves with one torch thread.
+  18 s of every start (scripts/bench_engine_start.py). vLLM's CPU platform binds a worker of its own to all cores
+  but one (left to the scheduler); inside the engine core that binding is not made, so the engine core gets the same
+  number of OpenMP threads (all usable cores but one) unless OMP_NUM_THREADS says otherwise (a Ray actor's is its
+  CPU count). Left to torch's default, all cores, it ran 2-3x slower on two cores beside a busy client.
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ async def make_async_llm(model_dir: str, *, capture_routing: bool = True, weight
 
 def start_async_llm(kwargs: dict[str, Any]):
     """`AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))`; on CPU with one worker, the worker runs inside the
-    engine core's process (the module doc says why). vLLM reads the variable when it builds the config and the
-    spawned engine core inherits it; it is restored in this process afterwards."""
+    engine core's process, with vLLM's thread count for it (the module doc says why). vLLM reads the variables when it
+    builds the config and the spawned engine core inherits them; they are restored in this process afterwards."""
     from vllm import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -119,7 +121,11 @@ def start_async_llm(kwargs: dict[str, Any]):
                                                      "data_parallel_size"))
     if not (current_platform.is_cpu() and one_worker and kwargs.get("distributed_executor_backend") in (None, "uni")):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+    threads = {}
+    if "OMP_NUM_THREADS" not in os.environ:  # the cores vLLM's own worker process would be bound to
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads["OMP_NUM_THREADS"] = str(max(1, cores - 1))
+    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0", **threads):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, "distributed_executor_backend": "uni"}))
 
 

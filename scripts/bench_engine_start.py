@@ -1,7 +1,7 @@
 """A rollout engine's start-up and speed on CPU, with the model's worker inside vLLM's engine-core process (agentrl's
 choice, `engine.start_async_llm`) or in a process of its own (vLLM's CPU default).
 
-    .venv/bin/python scripts/bench_engine_start.py [--repeats 3] [--requests 64] [--tokens 64]
+    .venv/bin/python scripts/bench_engine_start.py [--repeats 3] [--requests 64] [--tokens 64] [--threads N]
 
 Each run is a fresh Python process, as a rollout worker is, that builds the tiny hybrid's `PolicyEngine` (AsyncLLM
 through the agentrl plugin) and times: the engine's creation (vLLM's imports in the processes it spawns, model load,
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for the runs (0: unset)")
     parser.add_argument("--one", nargs=2, metavar=("CHECKPOINT", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # a child: one engine, one line of JSON
@@ -66,7 +67,11 @@ def main() -> None:
 
     checkpoint = init_model(os.path.join(tempfile.mkdtemp(prefix="bench_engine_start_"), "ckpt"), preset="tiny",
                             vocab_size=1024, env_ids=("agentrl/Calc-v0",))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    else:  # vLLM's and agentrl's own choices
+        env.pop("OMP_NUM_THREADS", None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
     for r in range(args.repeats):
@@ -85,7 +90,8 @@ def main() -> None:
         return f"{format(statistics.median(values), fmt)} ({format(values[0], fmt)}–{format(values[-1], fmt)})"
 
     print(f"\n### Rollout engine start-up and speed on CPU ({args.repeats} runs each, alternating; tiny hybrid via the "
-          f"plugin, fp32; {args.requests} requests x {args.tokens} sampled tokens; load average "
+          f"plugin, fp32; {args.requests} requests x {args.tokens} sampled tokens; OMP_NUM_THREADS "
+          f"{args.threads or 'unset'}; load average "
           f"{os.getloadavg()[0]:.1f})\n")
     print(table(["layout", "engine created (s)", "first generation (s)", "tokens/s"],
                 [[name, cell(name, "create_s", ".1f"), cell(name, "first_s", ".2f"),

@@ -1,6 +1,7 @@
 """Rollout throughput: the multi-turn agent loop against bare vLLM generation of the same prompts and lengths.
 
     python scripts/bench_rollout.py [--episodes 32 256] [--repeats 3] [--turns 3] [--env-isolation process|thread]
+                                    [--worker-process]
 
 Builds the tiny hybrid policy (served by the agentrl vLLM plugin on CPU) and, for each concurrency in `--episodes`
 and each env, runs `--repeats` pairs: the episodes through the agent loop, then exactly the same requests on the
@@ -64,8 +65,10 @@ async def run(args) -> None:
     from agentrl.chat import load_chat_format
 
     most = max(args.episodes)
+    # --worker-process: the model's worker in a process of its own, vLLM's CPU default (engine.start_async_llm)
+    extra = {"distributed_executor_backend": "mp"} if args.worker_process else {}
     engine = await PolicyEngine.create(EngineSpec(model=ckpt, max_model_len=4096, kv_cache_memory_bytes=1 << 30,
-                                                  max_num_seqs=most))
+                                                  max_num_seqs=most, extra=extra))
     config = RolloutConfig(max_tokens_per_turn=args.tokens_per_turn, max_trajectory_tokens=4096,
                            max_concurrent_episodes=most, env_isolation=args.env_isolation)
     loop = AgentLoop(engine, load_chat_format(ckpt), config)
@@ -133,6 +136,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens-per-turn", type=int, default=48)
     parser.add_argument("--env-isolation", choices=("process", "thread"), default="process")
+    parser.add_argument("--worker-process", action="store_true",
+                        help="the engine's model worker in a process of its own (vLLM's CPU default)")
     asyncio.run(run(parser.parse_args()))
 
 

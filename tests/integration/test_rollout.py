@@ -29,8 +29,9 @@ from tests.integration.tiny_models import make_qwen3
 pytest.importorskip("vllm")
 
 
-class FlakyCalc(CalcEnv):
-    """Raises from its own code on odd task indices."""
+class OddTasksRaiseCalc(CalcEnv):
+    """Raises from its own code on odd task indices. (Not `tests/FlakyCalc-v0`: tests/faulty_envs.py registers that
+    id, with other faults, and a process that imported it first kept its own.)"""
 
     def step(self, action):
         if self.state.task_index % 2:
@@ -46,7 +47,7 @@ class HangingCalc(CalcEnv):
         return super().step(action)
 
 
-for _name, _cls in (("FlakyCalc-v0", FlakyCalc), ("HangingCalc-v0", HangingCalc)):
+for _name, _cls in (("OddTasksRaiseCalc-v0", OddTasksRaiseCalc), ("HangingCalc-v0", HangingCalc)):
     if f"tests/{_name}" not in gym.registry:
         gym.register(id=f"tests/{_name}", entry_point=_cls)
 
@@ -189,7 +190,7 @@ def test_partial_trajectory_resumes_after_a_weight_update(setup):
 def test_flaky_env_and_hanging_tool_fail_their_episodes_not_the_worker(setup):
     loop = make_loop(setup, max_trajectory_tokens=3000, env_timeout_s=1.0)
     runner = setup["runner"]
-    trajs = runner.gather([*[loop.run(request(i, "tests/FlakyCalc-v0", max_turns=2)) for i in range(4)],
+    trajs = runner.gather([*[loop.run(request(i, "tests/OddTasksRaiseCalc-v0", max_turns=2)) for i in range(4)],
                            loop.run(request(0, "tests/HangingCalc-v0", max_turns=2))])
     flaky, hanging = trajs[:4], trajs[4]
     assert [t.status for t in flaky[1::2]] == [Status.FAILED] * 2
