@@ -228,6 +228,12 @@ def table_report(curves: RunCurves, keys: tuple[str, ...] = TABLE_KEYS, every: i
     return "\n".join(lines)
 
 
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table of `rows` under `header` (the benchmark scripts print their tables with it)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
 def write_report(run_dir: str, out: str | None = None, tracking_uri: str | None = None) -> str:
     """Writes the HTML page (default `<run_dir>/report.html`) and returns its path."""
     path = out or os.path.join(run_dir, "report.html")

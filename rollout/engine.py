@@ -29,18 +29,19 @@ Settings and why:
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` (tests set it) keeps the offline `LLM` in one process. `AsyncLLM` always runs
   its engine core in a process of its own; on CPU, `start_async_llm` runs the model's worker inside that process
   instead of a third one (vLLM's CPU default). In a Ray actor vLLM must spawn, and each spawned process re-imports
-  vLLM, torch, transformers and the plugin (~16-18 s on this machine), so the third process cost a rollout worker
-  18 s of every start (scripts/bench_engine_start.py). vLLM's CPU platform binds a worker of its own to all cores
-  but one (left to the scheduler); inside the engine core that binding is not made, so the engine core gets the same
-  number of OpenMP threads (all usable cores but one) unless OMP_NUM_THREADS says otherwise (a Ray actor's is its
-  CPU count). Left to torch's default, all cores, it ran 2-3x slower on two cores beside a busy client.
+  vLLM, torch, transformers and the plugin (~15 s of one core on this machine), so the third process cost a rollout
+  worker ~14 s of every start (scripts/bench_engine_start.py: engine ready in 47.6 s -> 33.7 s). vLLM's CPU platform
+  binds a worker of its own to all cores but one (left to the scheduler); inside the engine core that binding is not
+  made, so the engine core gets the same number of OpenMP threads (all usable cores but one) unless OMP_NUM_THREADS
+  says otherwise (a Ray actor's is its CPU count). Left to torch's default, all cores, it ran 2-3x slower on two
+  cores beside a busy client.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -125,22 +126,8 @@ def start_async_llm(kwargs: dict[str, Any]):
     if "OMP_NUM_THREADS" not in os.environ:  # the cores vLLM's own worker process would be bound to
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads["OMP_NUM_THREADS"] = str(max(1, cores - 1))
-    with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0", **threads):
+    with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, "distributed_executor_backend": "uni"}))
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # --- weight updates ------------------------------------------------------------------------------------------------

@@ -29,17 +29,13 @@ from agentrl.model.config import preset_config
 from agentrl.model.context_parallel import ContextShard, pad_length
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.net import free_port
+from agentrl.report import markdown_table as table
 
 LAYOUTS = {
     "tiny": {},
     "kda": dict(linear_attn_config=dict(kda_layers=[1, 2, 3, 4], full_attn_layers=[], num_heads=2, head_dim=16,
                                         short_conv_kernel_size=4, gate_lower_bound=-5.0)),
 }
-
-
-def table(header, rows) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def _rank(rank: int, world: int, port: int, tokens: int, layout: str, cores: int, results) -> None:

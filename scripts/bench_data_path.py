@@ -30,10 +30,7 @@ import time
 
 import numpy as np
 
-
-def table(header, rows) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+from agentrl.report import markdown_table as table
 
 
 def synthetic(trajectory_id: str, group_id: str, tokens: int, layers: int, top_k: int, seed: int):

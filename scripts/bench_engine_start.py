@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from agentrl.report import markdown_table as table
+
 LAYOUTS = {"worker in the engine core (agentrl)": "uni", "worker in its own process (vLLM's CPU default)": "mp"}
 
 
@@ -43,11 +45,6 @@ async def one_run(checkpoint: str, backend: str, requests: int, tokens: int) -> 
     seconds = time.perf_counter() - t0
     engine.shutdown()
     return {"create_s": create_s, "first_s": first_s, "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds}
-
-
-def table(header, rows) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def main() -> None:

@@ -43,15 +43,10 @@ from agentrl.model import layers  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
 from agentrl.net import free_port  # noqa: E402
+from agentrl.report import markdown_table as table  # noqa: E402
 
 PEAK_FLOPS = 990e12
 TOKENS = (4096, 32768, 131072)
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
 
 
 # --- the models ---------------------------------------------------------------------------------------------------

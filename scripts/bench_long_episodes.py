@@ -28,6 +28,7 @@ import psutil
 from agentrl.chat import load_chat_format
 from agentrl.envs import make
 from agentrl.init_model import init_model
+from agentrl.report import markdown_table as table
 from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.oracle import oracle_trajectory
@@ -35,11 +36,6 @@ from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 from agentrl.store import StoreConfig, TrajectoryStore
 
 ENV = "agentrl/DocSearch-v0"
-
-
-def table(header, rows) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def rss_mb(pid: int) -> float:

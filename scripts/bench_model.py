@@ -17,12 +17,7 @@ import torch
 from agentrl.model.balancing import ExpertBalancer, exact_quantile_bias
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
+from agentrl.report import markdown_table as table
 
 
 def train_step_time(model, tokens: int, device: str, repeats: int) -> float:

@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from agentrl.init_model import init_model
+from agentrl.report import markdown_table as table
 from agentrl.rollout.agent_loop import AgentLoop, EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
@@ -34,11 +35,6 @@ from agentrl.types import Status
 ENVS = {"agentrl/Calc-v0": lambda turns, n: {"max_turns": turns},
         "agentrl/KVChain-v0": lambda turns, n: {"max_turns": turns, "hops": turns},
         "agentrl/DocSearch-v0": lambda turns, n: {"max_turns": turns, "context_tokens": 2048, "num_tasks": n}}
-
-
-def table(header, rows) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def requests(env_id: str, kwargs: dict, n: int) -> list[EpisodeRequest]:

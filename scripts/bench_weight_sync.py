@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from agentrl.init_model import init_model
+from agentrl.report import markdown_table as table
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.policy_engine import EngineSpec, SamplingSpec
 from agentrl.rollout.worker import LocalReceivers, RolloutWorker
@@ -57,11 +58,6 @@ MODELS = {
     "200m": dict(hidden_size=768, num_hidden_layers=12, num_experts=16, moe_intermediate_size=512,
                  linear_attn_config=_kda(12), **_LAYOUT),
 }
-
-
-def table(header, rows) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def dir_bytes(path: str) -> int:
