@@ -9,9 +9,10 @@
     python scripts/bench_gpu.py weight-ipc   # in-memory weight sync to a second process on the GPU (CUDA IPC) vs D2D
     python scripts/bench_gpu.py cp-memory    # memory per rank under context parallelism (ranks sharing the GPU)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
-    python scripts/bench_gpu.py trainer      # agentrl's DeepSpeed step (ZeRO-2/3) vs the bare fwd+bwd, same tokens
-                                             # (--out DIR: a profile of each ZeRO step; --variants [NAME ...]: the
-                                             # ablation over TRAINER_VARIANTS' engine settings)
+    python scripts/bench_gpu.py trainer      # agentrl's DeepSpeed step (ZeRO-2/3) vs the bare fwd+bwd, same tokens,
+                                             # interleaved in each process (--rounds, --processes; --out DIR: a
+                                             # profile of each ZeRO step; --variants [NAME ...]: the ablation over
+                                             # TRAINER_VARIANTS' engine settings)
     python scripts/bench_gpu.py profile      # wall vs GPU-busy time and torch.profiler kernel tables of one fwd+bwd
                                              # (--tokens, --models, --out FILE for the full tables)
     python scripts/bench_gpu.py throughput --models kimi-linear-4l k3-4l --tokens 8192 32768
@@ -623,20 +624,27 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
     print(head, flush=True)
 
 
-# DeepSpeed variants of the step for the ablation (`trainer --variants`): (ZeRO stage, engine-config overrides merged
-# into zero.engine_config's, Quantile Balancing on); each names one suspect of the cost around the bare step.
+# DeepSpeed variants of the step for the ablation (`trainer --variants`); each names one suspect of the cost around
+# the bare step.
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    stage: int
+    engine: dict = dataclasses.field(default_factory=dict)  # merged into zero.engine_config's
+    balancing: bool = True  # Quantile Balancing's statistics and bias updates
+    per_tensor_overflow_check: bool = False  # DeepSpeed's own pass over every gradient (trainer/zero.py drops it)
+
+
 TRAINER_VARIANTS = {
-    "zero2": (2, {}, True),
-    "zero3": (3, {}, True),
-    "zero2, overlap_comm off": (2, {"zero_optimization": {"overlap_comm": False}}, True),
-    "zero2, no overflow check": (2, {"bf16": {"check_grad_overflow": False}}, True),
-    "zero2, contiguous_gradients off": (2, {"zero_optimization": {"contiguous_gradients": False}}, True),
-    "zero2, reduce buckets 1e8": (2, {"zero_optimization": {"reduce_bucket_size": 10**8}}, True),
-    "zero2, no QB": (2, {}, False),
-    "zero3, no overflow check": (3, {"bf16": {"check_grad_overflow": False}}, True),
-    "zero3, all params persistent": (3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**10}},
-                                     True),
-    "zero3, prefetch 2e8": (3, {"zero_optimization": {"stage3_prefetch_bucket_size": 2 * 10**8}}, True),
+    "zero2": Variant(2),
+    "zero3": Variant(3),
+    "zero2, overlap_comm off": Variant(2, {"zero_optimization": {"overlap_comm": False}}),
+    "zero2, per-tensor overflow check": Variant(2, per_tensor_overflow_check=True),
+    "zero2, contiguous_gradients off": Variant(2, {"zero_optimization": {"contiguous_gradients": False}}),
+    "zero2, reduce buckets 1e8": Variant(2, {"zero_optimization": {"reduce_bucket_size": 10**8}}),
+    "zero2, no QB": Variant(2, balancing=False),
+    "zero3, no overflow check": Variant(3, {"bf16": {"check_grad_overflow": False}}),
+    "zero3, all params persistent": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**10}}),
+    "zero3, prefetch 2e8": Variant(3, {"zero_optimization": {"stage3_prefetch_bucket_size": 2 * 10**8}}),
 }
 
 
@@ -647,93 +655,127 @@ def _merged(base: dict, overrides: dict) -> dict:
     return out
 
 
-def _trainer_rank(what: str, tokens: int, repeats: int, port: int, results, profile_dir: str | None = None) -> None:
-    """One measurement in a process of its own (a DeepSpeed engine leaves its process group behind): the bare
-    forward + backward of the trainer's own micro-batches (what="bare"), the same plus a fused torch AdamW step
-    ("bare+adam"), or PolicyTrainer.step through DeepSpeed (a TRAINER_VARIANTS key)."""
-    import tempfile
+class _Bare:
+    """The trainer's own loss path (`micro_batch_loss` over `PackedPolicy`, the same packing plan) on a plain bf16
+    copy of the `small` preset, forward + backward, optionally with torch's fused AdamW: what the DeepSpeed step is
+    measured against."""
 
+    def __init__(self, config, batch, tokens: int, adam: bool):
+        from agentrl.trainer.batching import plan_step
+        from agentrl.trainer.losses import LossConfig, grpo_advantages
+
+        torch.manual_seed(0)
+        self.model = HybridMoEForCausalLM(config).to("cuda", torch.bfloat16).train()
+        self.model.gradient_checkpointing_enable()
+        self.loss = LossConfig()
+        self.plan = plan_step(batch, grpo_advantages(batch, normalize_std=self.loss.normalize_adv_std), world_size=1,
+                              token_budget=tokens, aggregation=self.loss.aggregation,
+                              norm_constant=self.loss.norm_constant, num_moe_layers=len(self.model.moe_layers))
+        self.adam = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=True) if adam else None
+
+    def __call__(self) -> None:
+        from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+
+        for micro in self.plan.per_rank[0]:
+            micro_batch_loss(PackedPolicy(self.model), micro, self.loss, device="cuda").loss.backward()
+        if self.adam is not None:
+            self.adam.step()
+        self.model.zero_grad(set_to_none=True)
+
+
+def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
+    """PolicyTrainer (DeepSpeed engine, its bf16 optimizer and gradient buckets, QB statistics, metrics) configured
+    as the TRAINER_VARIANTS entry `what` says."""
     from agentrl.trainer import PolicyTrainer, TrainerConfig, zero
-    from agentrl.trainer.batching import plan_step
-    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
-    from agentrl.trainer.losses import LossConfig, grpo_advantages
+
+    variant = TRAINER_VARIANTS[what]
+    engine_config = zero.engine_config
+    zero.engine_config = lambda **kw: _merged(engine_config(**kw), variant.engine)
+    try:
+        trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=variant.stage, dtype="bf16", lr=1e-6,
+                                              micro_batch_tokens=tokens), config)
+    finally:
+        zero.engine_config = engine_config
+    if variant.per_tensor_overflow_check:
+        del trainer.engine.optimizer.check_overflow  # the class's method again
+    if not variant.balancing:  # the routers neither observe nor update their biases
+        trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
+        trainer.policy.update_expert_bias = lambda **kw: {}
+    return trainer
+
+
+def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profile_dir: str | None = None) -> None:
+    """One TRAINER_VARIANTS entry against the bare step in a process of its own (a DeepSpeed engine leaves its
+    process group behind): after a warm-up of each, `rounds` rounds of (bare step, bare + fused AdamW step,
+    DeepSpeed step), so that what drifts within a process (the host's load, clocks) hits all three alike. Puts
+    (what, [bare s], [bare+adam s], [deepspeed s])."""
+    import tempfile
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     config = preset_config("small")
     batch = _trainer_batch(config.vocab_size, tokens)
-    if what in TRAINER_VARIANTS:
-        stage, overrides, balancing = TRAINER_VARIANTS[what]
-        engine_config = zero.engine_config
-        zero.engine_config = lambda **kw: _merged(engine_config(**kw), overrides)
-        with tempfile.TemporaryDirectory() as run_dir:
-            trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=stage, dtype="bf16", lr=1e-6,
-                                                  micro_batch_tokens=tokens), config)
-            if not balancing:  # the routers neither observe nor update their biases
-                trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
-                trainer.policy.update_expert_bias = lambda **kw: {}
-            seconds = median_seconds(lambda: trainer.step(batch), repeats)
-            if profile_dir:
-                name = what.replace(", ", "_").replace(" ", "-")
-                _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{name}_{tokens}.txt"))
-            trainer.close()
-        zero.engine_config = engine_config
-    else:
-        torch.manual_seed(0)
-        model = HybridMoEForCausalLM(config).to("cuda", torch.bfloat16).train()
-        model.gradient_checkpointing_enable()
-        loss = LossConfig()
-        plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
-                         token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
-                         num_moe_layers=len(model.moe_layers))
-        adam = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if what == "bare+adam" else None
-
-        def step() -> None:
-            for micro in plan.per_rank[0]:
-                micro_batch_loss(PackedPolicy(model), micro, loss, device="cuda").loss.backward()
-            if adam is not None:
-                adam.step()
-            model.zero_grad(set_to_none=True)
-
-        seconds = median_seconds(step, repeats)
-    results.put((what, seconds))
+    bare, bare_adam = _Bare(config, batch, tokens, adam=False), _Bare(config, batch, tokens, adam=True)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = _deepspeed_trainer(what, config, tokens, run_dir)
+        steps = (bare, bare_adam, lambda: trainer.step(batch))
+        for step in steps:
+            step()
+        times: list[list[float]] = [[], [], []]
+        for _ in range(rounds):
+            for step, seconds in zip(steps, times):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - t0)
+        if profile_dir:
+            name = what.replace(", ", "_").replace(" ", "-")
+            _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{name}_{tokens}.txt"))
+        trainer.close()
+    results.put((what, *times))
 
 
-def bench_trainer(tokens_list=(4096, 32768), repeats: int = 5, profile_dir: str | None = None,
+def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2, profile_dir: str | None = None,
                   variants: list[str] | None = None) -> None:
     """The `small` preset's full optimizer step through agentrl's DeepSpeed trainer (ZeRO-2 and ZeRO-3, one GPU,
     bf16, gradient checkpointing on, as the trainer defaults) against the bare forward + backward of the same
-    packed micro-batch in plain PyTorch, one run; each measurement in a process of its own, median of `repeats`
-    after a warm-up step. With `profile_dir`, each DeepSpeed step is also profiled once (tables written there); with
-    `variants` (TRAINER_VARIANTS keys; [] for all), those are timed too: the ablation of what costs more than the bare
-    step."""
+    packed micro-batch in plain PyTorch. Each ZeRO stage (and each of `variants`, TRAINER_VARIANTS keys; [] for
+    all) runs in `processes` processes of its own, each timing the bare step and the DeepSpeed step in turn for
+    `rounds` rounds: the ratio is taken per round, so a process that runs slow (this host's medians moved ±15% from
+    one process to the next) is slow for both. Reported: medians over all rounds, the ratio's median and range. With
+    `profile_dir`, each ZeRO stage's step is also profiled once (tables written there)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     chosen = [] if variants is None else [v for v in TRAINER_VARIANTS if v not in ("zero2", "zero3")
                                           and (not variants or v in variants)]
-    names = ["bare", "bare+adam", "zero2", "zero3", *chosen]
-    rows, ablation = [], []
+    names = ["zero2", "zero3", *chosen]
+    rows = []
     for tokens in tokens_list:
-        got = {}
         for what in names:
-            results = ctx.Queue()
-            proc = ctx.Process(target=_trainer_rank, args=(what, tokens, repeats, free_port(), results,
-                                                           profile_dir if what in ("zero2", "zero3") else None))
-            proc.start()
-            got[what] = results.get(timeout=400)[1]
-            proc.join()
-            print(tokens, what, f"{got[what]:.4f}", flush=True)
-        rows.append([f"{tokens:,}"] + [f"{got[w] * 1e3:.0f} ({tokens / got[w] / 1e3:.1f}K/s)"
-                                       for w in ("bare", "bare+adam", "zero2", "zero3")]
-                    + [f"{got['bare'] / got['zero2']:.2f}×", f"{got['bare'] / got['zero3']:.2f}×"])
-        ablation += [[f"{tokens:,}", w, f"{got[w] * 1e3:.0f}", f"{(got[w] - got['bare']) * 1e3:+.0f}",
-                      f"{got['bare'] / got[w]:.2f}×"] for w in names]
-    print("\n### DeepSpeed around the step on one H200: `small` preset, bf16, ms per step (tokens/s)\n")
-    print(table(["tokens", "bare fwd+bwd", "bare + fused AdamW", "ZeRO-2 step", "ZeRO-3 step", "ZeRO-2 vs bare",
-                 "ZeRO-3 vs bare"], rows))
-    if chosen:
-        print("\n### What the DeepSpeed step costs over the bare fwd+bwd, by variant (ms per step)\n")
-        print(table(["tokens", "variant", "ms", "over bare", "bare / variant"], ablation))
+            bare, adam, deep = [], [], []
+            for p in range(processes):
+                results = ctx.Queue()
+                proc = ctx.Process(target=_trainer_rank, args=(what, tokens, rounds, free_port(), results,
+                                                               profile_dir if p == 0 and what in ("zero2", "zero3")
+                                                               else None))
+                proc.start()
+                _, b, a, d = results.get(timeout=500)
+                proc.join()
+                bare += b
+                adam += a
+                deep += d
+                print(tokens, what, f"process {p}: bare {statistics.median(b) * 1e3:.0f} ms, "
+                      f"{what} {statistics.median(d) * 1e3:.0f} ms", flush=True)
+            ratios = sorted(b / d for b, d in zip(bare, deep))
+            rows.append([f"{tokens:,}", what, f"{statistics.median(bare) * 1e3:.0f}",
+                         f"{statistics.median(adam) * 1e3:.0f}", f"{statistics.median(deep) * 1e3:.0f}",
+                         f"{tokens / statistics.median(deep) / 1e3:.1f}K", f"{statistics.median(ratios):.2f}×",
+                         f"{ratios[0]:.2f}–{ratios[-1]:.2f}"])
+    print(f"\n### DeepSpeed around the step on one H200: `small` preset, bf16, ms per step; {processes} processes × "
+          f"{rounds} rounds of (bare, bare + fused AdamW, DeepSpeed) per row\n")
+    print(table(["tokens", "DeepSpeed step", "bare fwd+bwd", "bare + fused AdamW", "DeepSpeed", "tokens/s",
+                 "bare / DeepSpeed (median)", "range over rounds"], rows))
     print(flush=True)
 
 
@@ -829,6 +871,8 @@ def main() -> None:
                         "agentrl), in the order given")
     parser.add_argument("--variants", nargs="*", default=None, help="trainer: also time these TRAINER_VARIANTS "
                         "entries (none named: all)")
+    parser.add_argument("--rounds", type=int, default=7, help="trainer: rounds of (bare, DeepSpeed) steps per process")
+    parser.add_argument("--processes", type=int, default=2, help="trainer: processes per ZeRO stage or variant")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "run through the device tool"
     if args.what in ("throughput", "all"):
@@ -847,8 +891,8 @@ def main() -> None:
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "trainer":
-        bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768), profile_dir=args.out,
-                      variants=args.variants)
+        bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768), rounds=args.rounds,
+                      processes=args.processes, profile_dir=args.out, variants=args.variants)
     if args.what == "profile":
         bench_profile(tuple(args.tokens) if args.tokens else (4096, 32768), args.models, args.out)
 

@@ -169,6 +169,7 @@ class PolicyTrainer:
         self.engine.train()
         sums: Counter[str] = Counter()
         grad_norms, loads = [], {}
+        skipped_before = self.engine.skipped_steps  # DeepSpeed skips a step whose gradient norm is not finite
         for micros in mine:
             for micro in micros:
                 with self._routers_observe(not micro.is_padding):
@@ -199,7 +200,8 @@ class PolicyTrainer:
         metrics.update(
             grad_norm=float(np.mean(grad_norms)), lr=float(self.engine.get_lr()[0]), step=self.global_step,
             version=self.version, optimizer_steps=len(plans), num_sequences=sum(p.num_sequences for p in plans),
-            num_skipped=sum(len(p.skipped) for p in plans), micro_batches=micro_batches,
+            num_skipped=sum(len(p.skipped) for p in plans),
+            optimizer_steps_skipped=self.engine.skipped_steps - skipped_before, micro_batches=micro_batches,
             packed_tokens=totals["packed_tokens"], step_s=seconds, tokens_per_s=totals["packed_tokens"] / seconds)
         if loads:
             metrics["expert_load_max_over_mean"] = max(loads.values())

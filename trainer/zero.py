@@ -43,6 +43,7 @@ import deepspeed.comm  # noqa: E402
 import deepspeed.ops  # noqa: E402
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 from deepspeed.utils import groups, set_z3_leaf_modules  # noqa: E402
 
 from agentrl.model.kda import KimiDeltaAttention  # noqa: E402
@@ -156,7 +157,27 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
                                                lr_scheduler=lr_scheduler)
     finally:
         deepspeed.DeepSpeedEngine = engine_class
+    _check_overflow_by_the_norm(engine.optimizer)
     return engine
+
+
+def _check_overflow_by_the_norm(optimizer) -> None:
+    """ZeRO-1/2: the global gradient norm, which the step computes anyway, is the overflow check. DeepSpeed first
+    tests every gradient partition for inf/NaN one tensor at a time (for the `small` preset 430 small kernels and an
+    all-reduce with a host sync), then computes the norm and, for bf16 only while that check is on, skips the step
+    if the norm is not finite. A NaN or inf anywhere makes the norm non-finite, so the
+    first test adds nothing but host time (~17–50 ms of a 4K-token step on an H200, docs/benchmarks.md). The flag
+    stays on, so the norm test still runs; only the per-tensor pass is dropped. ZeRO-3 always tests the norm; its
+    per-tensor pass measured no cost worth a change."""
+    if (isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.compute_grad_norm
+            and optimizer.check_grad_overflow and not optimizer.cpu_offload):
+        optimizer.check_overflow = _norm_checks_overflow
+
+
+def _norm_checks_overflow(partition_gradients: bool = True) -> None:
+    """Stands in for DeepSpeedZeroOptimizer.check_overflow (see _check_overflow_by_the_norm): leaves `overflow`
+    False for the norm's test to set."""
+    del partition_gradients
 
 
 def _group_key(name: str) -> str:
