@@ -329,8 +329,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     With z = h Wᵀ / τ, p = softmax(z), lp = z[t] − logsumexp(z) and H = logsumexp(z) − Σ p z:
         ∂lp/∂z = onehot(t) − p,    ∂H/∂z = −p ⊙ (z − Σ p z),
     so the incoming gradients (g_lp, g_H) give ∂z = g_lp · onehot(t) − p ⊙ (g_lp + g_H (z − E_p[z])), then
-    ∂h = ∂z W / τ and ∂W = ∂zᵀ h / τ (summed over chunks in fp32 or wider). Only logsumexp and H per token are
-    kept between the passes.
+    ∂h = ∂z W / τ and ∂W = ∂zᵀ h / τ. Only logsumexp and H per token are kept between the passes. The forward
+    chunks by tokens; the backward by tokens or by slices of the vocabulary, whichever leaves the smaller gradient
+    to sum over its chunks (∂W [V, d] or ∂h [T, d]; summed in fp32 or wider).
     """
 
     @staticmethod
@@ -359,30 +360,85 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, logz, entropy = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        num_tokens, vocab = hidden.shape[0], weight.shape[0]
+        if num_tokens < vocab:
+            width = max(1, ctx.chunk * vocab // num_tokens)  # as many logits per pass as the forward's chunks
+            if width >= 256:  # a multiple of 128 columns: the slice's logits are a GEMM operand's leading dimension
+                width -= width % 128
+            grad_h, grad_w = _ChunkedLogprobs._backward_by_vocabulary(
+                hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, ctx.temperature, width,
+                need_h, need_w)
+        else:
+            grad_h, grad_w = _ChunkedLogprobs._backward_by_tokens(
+                hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk,
+                need_h, need_w)
+        return grad_h, grad_w, None, None, None, None
+
+    @staticmethod
+    def _grad_logits(z, lse, entropy, g_lp, g_ent, target, temperature):
+        """∂z of one block of logits z [tokens, vocabulary slice] (computed in z's storage), given its tokens'
+        logsumexp, entropy and incoming gradients ([tokens, 1] each; a gradient may be None) and `target`: (each
+        token's target column in the slice, clamped into it; 1 where the target lies in the slice, else 0)."""
+        if g_ent is not None:  # coefficient of −p: g_lp + g_H (z − E_p[z]), E_p[z] = lse − H
+            coef = (z - (lse - entropy)).mul_(g_ent)
+            if g_lp is not None:
+                coef.add_(g_lp)
+        else:
+            coef = g_lp
+        grad_z = z.sub_(lse).exp_().mul_(coef).neg_()  # z's storage is reused: z is not needed any more
+        if g_lp is not None:
+            column, inside = target
+            grad_z.scatter_add_(1, column, g_lp * inside)
+        if temperature != 1.0:
+            grad_z.div_(temperature)
+        return grad_z
+
+    @staticmethod
+    def _backward_by_tokens(hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, temperature, chunk,
+                            need_h, need_w):
+        """Chunks of tokens, each chunk's ∂W added into one [V, d] accumulator: for many tokens over a small
+        vocabulary (T ≥ V)."""
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=logz.dtype) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
-            h, lse = hidden[s:s + chunk], logz[s:s + chunk, None]
+            rows = slice(s, s + chunk)
+            h = hidden[rows]
             z = _ChunkedLogprobs._logits(h, weight, temperature)
-            g_lp = grad_logprobs[s:s + chunk, None] if grad_logprobs is not None else None
-            if grad_entropy is not None:  # coefficient of −p: g_lp + g_H (z − E_p[z]), E_p[z] = lse − H
-                coef = (z - (lse - entropy[s:s + chunk, None])).mul_(grad_entropy[s:s + chunk, None])
-                if g_lp is not None:
-                    coef.add_(g_lp)
-            else:
-                coef = g_lp
-            grad_z = z.sub_(lse).exp_().mul_(coef).neg_()  # z's storage is reused: z is not needed any more
-            if g_lp is not None:
-                grad_z.scatter_add_(1, targets[s:s + chunk, None], g_lp)
-            if temperature != 1.0:
-                grad_z.div_(temperature)
-            grad_z = grad_z.to(hidden.dtype)
+            grad_z = _ChunkedLogprobs._grad_logits(
+                z, logz[rows, None], entropy[rows, None],
+                grad_logprobs[rows, None] if grad_logprobs is not None else None,
+                grad_entropy[rows, None] if grad_entropy is not None else None,
+                (targets[rows, None], 1.0), temperature).to(hidden.dtype)
             if need_h:
-                grad_h[s:s + chunk] = grad_z @ weight
+                grad_h[rows] = grad_z @ weight
             if need_w:
                 grad_w += (grad_z.t() @ h).to(grad_w.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None)
+
+    @staticmethod
+    def _backward_by_vocabulary(hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, temperature,
+                                width, need_h, need_w):
+        """Slices of the vocabulary over all tokens at once (T < V): each slice's rows of ∂W come out of one GEMM
+        over every token, and only ∂h, [T, d], is summed over the slices. Chunking by tokens adds into a [V, d] fp32
+        accumulator once per chunk instead: at Kimi Linear's 164K vocabulary, 20 passes over 1.5 GB in an 8K-token
+        step, most of the head's backward time on an H200 (docs/benchmarks.md, "Real widths")."""
+        grad_h = torch.zeros_like(hidden, dtype=logz.dtype) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        lse, ent = logz[:, None], entropy[:, None]
+        g_lp = grad_logprobs[:, None] if grad_logprobs is not None else None
+        g_ent = grad_entropy[:, None] if grad_entropy is not None else None
+        for a in range(0, weight.shape[0], width):
+            w = weight[a:a + width]
+            z = _ChunkedLogprobs._logits(hidden, w, temperature)
+            column = targets[:, None] - a
+            inside = ((column >= 0) & (column < w.shape[0])).to(logz.dtype)  # no host sync: a mask, not an index
+            grad_z = _ChunkedLogprobs._grad_logits(z, lse, ent, g_lp, g_ent, (column.clamp(0, w.shape[0] - 1), inside),
+                                                   temperature).to(hidden.dtype)
+            if need_h:
+                grad_h += grad_z @ w
+            if need_w:
+                grad_w[a:a + width] = grad_z.t() @ hidden
+        return (grad_h.to(hidden.dtype) if need_h else None), grad_w

@@ -163,14 +163,16 @@ def test_small_preset_trains_a_step_in_bf16():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
-def test_log_prob_head_bf16_matches_fp64():
+@pytest.mark.parametrize("tokens, vocab", [(3000, 5000), (5000, 3000)], ids=["by-vocabulary", "by-tokens"])
+def test_log_prob_head_bf16_matches_fp64(tokens, vocab):
     """The chunked head's hand-written backward on bf16 inputs (its gradient GEMMs run in bf16) against autograd over
-    the full log-softmax in fp64 of the same values, with both outputs in the loss, over several chunks."""
+    the full log-softmax in fp64 of the same values, with both outputs in the loss, over several chunks: in
+    vocabulary slices (fewer tokens than the vocabulary) and in token chunks."""
     torch.manual_seed(0)
-    hidden = (torch.randn(3000, 256, device="cuda") * 2).bfloat16().requires_grad_()
-    weight = (torch.randn(5000, 256, device="cuda") / 16).bfloat16().requires_grad_()
-    targets = torch.randint(0, 5000, (3000,), device="cuda")
-    g_lp, g_ent = torch.randn(3000, device="cuda"), torch.randn(3000, device="cuda")
+    hidden = (torch.randn(tokens, 256, device="cuda") * 2).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, 256, device="cuda") / 16).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device="cuda")
+    g_lp, g_ent = torch.randn(tokens, device="cuda"), torch.randn(tokens, device="cuda")
     lp, ent = chunked_token_logprobs(hidden, weight, targets, 0.8, return_entropy=True, chunk_tokens=1024)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))

@@ -90,14 +90,18 @@ def test_token_logprobs_match_full_log_softmax_and_its_gradients():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("uses", ["both", "logprobs", "entropy"])
-def test_log_prob_head_gradients_match_autograd_over_the_full_softmax(temperature, uses):
+@pytest.mark.parametrize("tokens, vocab", [(37, 50), (60, 23)], ids=["by-vocabulary", "by-tokens"])
+def test_log_prob_head_gradients_match_autograd_over_the_full_softmax(temperature, uses, tokens, vocab):
     """The hand-written backward of the chunked head against autograd through the whole log-softmax in fp64, for
-    every mix of the two outputs a loss can use (an entropy bonus, the policy term, both), across chunk borders."""
+    every mix of the two outputs a loss can use (an entropy bonus, the policy term, both), across chunk borders:
+    fewer tokens than the vocabulary (the backward slices the vocabulary, 10 columns at a time here) and more
+    (it chunks the tokens)."""
     torch.manual_seed(0)
-    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 50, (37,))
-    g_lp, g_h = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
+    hidden = torch.randn(tokens, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    targets[:3] = torch.tensor([0, vocab - 1, 10])  # the first and last columns, and a slice border
+    g_lp, g_h = torch.randn(tokens, dtype=torch.float64), torch.randn(tokens, dtype=torch.float64)
 
     def loss(lp, ent):
         return ((lp * g_lp).sum() if uses != "entropy" else 0) + ((ent * g_h).sum() if uses != "logprobs" else 0)
