@@ -332,11 +332,17 @@ class Progress:
             parts.append(f"held-out success {metrics['eval/success_rate']:.3f}")
         if failures:
             parts.append(failures)
+        skipped = int(metrics.get("train/optimizer_steps_skipped", 0))  # DeepSpeed's, for a non-finite gradient
+        if skipped:
+            parts.append(f"{skipped} of {int(metrics.get('train/optimizer_steps', skipped))} optimizer step(s) "
+                         f"skipped: the gradient held inf or NaN")
         parts.append(f"{step_s:.0f}s" + (f", ETA {duration(left)}" if step < self.last_step else ""))
-        if groups.trained:
-            log.info(" | ".join(parts))
-        else:
+        if not groups.trained:
             log.warning(" | ".join(parts) + " | nothing trained: the policy did not change this step")
+        elif skipped:
+            log.warning(" | ".join(parts))
+        else:
+            log.info(" | ".join(parts))
 
 
 def _sft_pace(elapsed: float, done: int, left: int, target: float | None) -> str:

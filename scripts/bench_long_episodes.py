@@ -66,6 +66,8 @@ class OracleTurns:
             now = time.perf_counter()
             self.samples.append([start, now - self.t_last, rss_mb(self.core_pid), rss_mb(os.getpid())])
             self.next_sample += self.every
+            print(f"  context {start:,}: {now - self.t_last:.2f} s for the turn before, engine core "  # progress
+                  f"{self.samples[-1][2]:,.0f} MB, host {self.samples[-1][3]:,.0f} MB", flush=True)
         self.t_last = time.perf_counter()
         return gen
 

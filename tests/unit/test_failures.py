@@ -74,7 +74,7 @@ def test_the_group_report_says_what_trained_and_why_the_rest_did_not():
     assert str(waiting) == "trained 0/8 groups (too few complete groups: they wait for the next step)"
 
 
-def test_a_step_that_trained_nothing_says_so(caplog):
+def test_a_step_that_trained_nothing_or_skipped_its_update_says_so(caplog):
     progress = Progress(first_step=0, last_step=10)
     uniform = GroupReport(asked=4, trained=0, uniform=4, short=0, stale=0, failed=0, waiting=False)
     with caplog.at_level(logging.INFO, logger="agentrl"):
@@ -82,7 +82,10 @@ def test_a_step_that_trained_nothing_says_so(caplog):
         progress.report(2, {"rollout/reward_mean": 0.5, "rollout/success_rate": 0.5, "eval/success_rate": 0.25},
                         GroupReport(asked=4, trained=3, uniform=1, short=0, stale=0, failed=0, waiting=False),
                         "1 failed (env 1; first: KeyError)", 12.0)
-    first, second = caplog.records
+        progress.report(3, {"rollout/reward_mean": 0.5, "rollout/success_rate": 0.5, "train/optimizer_steps": 1,
+                            "train/optimizer_steps_skipped": 1},
+                        GroupReport(asked=4, trained=4, uniform=0, short=0, stale=0, failed=0, waiting=False), "", 12.0)
+    first, second, third = caplog.records
     assert first.levelno == logging.WARNING and first.getMessage().startswith("step 1/10: reward 0.000")
     assert "trained 0/4 groups (4 uniform)" in first.getMessage()
     assert first.getMessage().endswith("nothing trained: the policy did not change this step")
@@ -90,6 +93,9 @@ def test_a_step_that_trained_nothing_says_so(caplog):
     assert "trained 3/4 groups (1 uniform) | held-out success 0.250 | 1 failed (env 1; first: KeyError)" in \
         second.getMessage()
     assert "12s, ETA " in second.getMessage()
+    assert third.levelno == logging.WARNING
+    assert "trained 4/4 groups | 1 of 1 optimizer step(s) skipped: the gradient held inf or NaN | 12s" in \
+        third.getMessage()
 
 
 def test_failed_episodes_are_resampled_into_their_groups_and_the_store_takes_them(tmp_path):
