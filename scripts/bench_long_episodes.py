@@ -76,9 +76,12 @@ async def one_episode(args, ckpt: str, context_tokens: int, rows: list, curve: l
     kwargs = {"context_tokens": context_tokens, "num_tasks": 1, "num_distractors": 2}
     chat = load_chat_format(ckpt)
     oracle = oracle_trajectory(make(ENV, **kwargs), chat, env_id=ENV, task_index=0)
-    max_len = len(oracle.tokens) + 64
+    max_len = max(len(oracle.tokens) + 64, args.max_model_len or 0)
+    # --worker-process: the model's worker in a process of its own, vLLM's CPU default (engine.start_async_llm)
+    extra = {"distributed_executor_backend": "mp"} if args.worker_process else {}
     engine = await PolicyEngine.create(EngineSpec(model=ckpt, max_model_len=max_len, return_routed_experts=True,
-                                                  kv_cache_memory_bytes=args.kv_cache_gb << 30, max_num_seqs=4))
+                                                  kv_cache_memory_bytes=args.kv_cache_gb << 30, max_num_seqs=4,
+                                                  extra=extra))
     core_before = None
     try:
         policy = OracleTurns(engine, oracle, args.every)
@@ -137,6 +140,11 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, nargs="+", default=[262_144, 1_048_576])
     parser.add_argument("--every", type=int, default=32_768, help="sample the per-turn figures this often")
     parser.add_argument("--kv-cache-gb", type=int, default=4, help="the engine's KV cache and state memory")
+    parser.add_argument("--worker-process", action="store_true",
+                        help="the model's worker in a process of its own (vLLM's CPU default) instead of in the "
+                             "engine core's")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the engine's max_model_len, if above the "
+                        "episode's length (default: the episode's length + 64)")
     asyncio.run(run(parser.parse_args()))
 
 
