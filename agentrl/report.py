@@ -228,28 +228,6 @@ def table_report(curves: RunCurves, keys: tuple[str, ...] = TABLE_KEYS, every: i
     return "\n".join(lines)
 
 
-def machine_line(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The line a benchmark prints above its tables: the CPU model, the cores this process may use and the widest
-    vector extension. CPU figures are comparable only on the same kind of machine: these machines vary between
-    sessions (an AMD EPYC with AVX2 only, Xeons with AVX-512 BF16), and vLLM's attention-bound decode ran 2–4× slower
-    on the first (docs/benchmarks.md, "The 1M-token episode")."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown CPU":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:  # not Linux
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    vector = ("AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
-              else "AVX2" if "avx2" in flags else "no AVX2")
-    return f"machine: {model}, {cores} usable cores, {vector}" + (", AMX" if "amx_tile" in flags else "")
-
-
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A Markdown table of `rows` under `header` (the benchmark scripts print their tables with it)."""
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

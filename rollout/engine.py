@@ -45,6 +45,7 @@ from unittest import mock
 
 import numpy as np
 
+from agentrl.host import usable_cores
 from agentrl.model.config import HybridMoEConfig
 
 WORKER_EXTENSION = "agentrl.rollout.weight_sync.WorkerExtension"
@@ -124,8 +125,7 @@ def start_async_llm(kwargs: dict[str, Any]):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     threads = {}
     if "OMP_NUM_THREADS" not in os.environ:  # the cores vLLM's own worker process would be bound to
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads["OMP_NUM_THREADS"] = str(max(1, cores - 1))
+        threads["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
     with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}):
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, "distributed_executor_backend": "uni"}))
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from agentrl.report import machine_line
+    from agentrl.host import machine_line
 
     print(machine_line(), flush=True)
     main()

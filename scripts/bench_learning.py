@@ -103,7 +103,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from agentrl.report import machine_line
+    from agentrl.host import machine_line
 
     print(machine_line(), flush=True)
     main()

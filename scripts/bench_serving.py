@@ -227,7 +227,7 @@ def print_tables(models, speed, ratios, updates, args, threads: str, loads: list
 
 
 if __name__ == "__main__":
-    from agentrl.report import machine_line
+    from agentrl.host import machine_line
 
     print(machine_line(), flush=True)
     main()
