@@ -184,20 +184,22 @@ def kimi_linear() -> Built:
 
 
 # --- timing -------------------------------------------------------------------------------------------------------
+def synchronized_seconds(fn) -> float:
+    """Seconds of one call of `fn`, the GPU's queued work before and its own after included."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def median_seconds(fn, repeats: int, after_warmup=None) -> float:
     """Median seconds of `fn` over `repeats` synchronized calls, after one warm-up call (then `after_warmup()`)."""
     fn()
     torch.cuda.synchronize()
     if after_warmup is not None:
         after_warmup()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(synchronized_seconds(fn) for _ in range(repeats))
 
 
 def train_step(model, loss_fn, tokens: int):
@@ -332,11 +334,7 @@ def bench_memory(tokens_list=(8192, 32768, 131072, 262144, 524288)) -> None:
         base = torch.cuda.memory_allocated()
         ids = torch.randint(0, model.config.vocab_size, (1, tokens + 1), device="cuda")
         try:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            agentrl_loss(model, ids).backward()
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt = synchronized_seconds(lambda: agentrl_loss(model, ids).backward())
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
             rows.append([tokens, f"{peak:.2f}", f"{peak * 2**20 / tokens:.1f}", f"{tokens / dt:,.0f}"])
         except torch.OutOfMemoryError:
@@ -723,11 +721,7 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
         times: list[list[float]] = [[], [], []]
         for _ in range(rounds):
             for step, seconds in zip(steps, times):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - t0)
+                seconds.append(synchronized_seconds(step))
         if profile_dir:
             name = what.replace(", ", "_").replace(" ", "-")
             _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{name}_{tokens}.txt"))
