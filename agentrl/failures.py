@@ -40,7 +40,7 @@ def first_line(exc: BaseException) -> str:
 
 
 # the job's actor classes, by the part of the job a user knows them as
-ACTOR_ROLES = {"TrajectoryStore": "the trajectory store", "PolicyTrainer": "a trainer rank",
+ACTOR_ROLES = {"TrajectoryStoreActor": "the trajectory store", "PolicyTrainer": "a trainer rank",
                "RolloutWorker": "a rollout worker"}
 
 
@@ -50,11 +50,17 @@ def lost_actor(exc: BaseException) -> str:
     text = str(exc)
     fields = dict(line.strip().split(": ", 1) for line in text.splitlines()[1:]
                   if line.startswith("\t") and ": " in line)
-    role = ACTOR_ROLES.get(fields.get("class_name", ""))
+    # Ray names a class made in a function by its qualified name (`_store_actor_class.<locals>.TrajectoryStoreActor`)
+    class_name = fields.get("class_name", "").rsplit(".", 1)[-1]
+    role = ACTOR_ROLES.get(class_name)
     if role is None:
         return first_line(exc)
     pid = f", pid {fields['pid']}" if "pid" in fields else ""
-    return f"{role} ({fields['class_name']}{pid}) died: {first_line(exc)}"
+    # seen through another actor's task (a rollout worker that called the dead store), Ray's first line is that
+    # task's; the death is the line Ray's own exception starts
+    cause = next((line.strip().removeprefix("ray.exceptions.") for line in text.splitlines()
+                  if line.strip().startswith("ray.exceptions.")), None)
+    return f"{role} ({class_name}{pid}) died: {cause or first_line(exc)}"
 
 
 def failure_counts(trajectories: Sequence[Trajectory | EpisodeSummary]) -> dict[str, int]:

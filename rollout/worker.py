@@ -31,6 +31,8 @@ from agentrl.types import Boundary, EpisodeSummary, ResumePoint, Status, Traject
 
 log = logging.getLogger(__name__)
 
+PING_TIMEOUT_S = 60.0  # a live worker answers within seconds, even with every core busy sampling
+
 
 class RolloutWorker:
     """One engine and its episodes. `config` is the job's rollout section; `chat_format` names the model's chat format
@@ -324,15 +326,33 @@ class RolloutPool:
             try:
                 out.extend(ray.get(share.ref))
             except ray.exceptions.RayActorError:
+                if self._answers(share.worker):  # an actor it called died (the store): the driver restarts the job
+                    raise
                 self._replace(share.index, share.worker)
                 share, held = self._resumable(share)
                 out.extend(held)
                 try:
                     out.extend(ray.get(self._run(share).ref))
                 except ray.exceptions.RayActorError as exc:
+                    if self._answers(share.worker):
+                        raise
                     self._replace(share.index, share.worker)
                     out.extend(self._failed(share, f"rollout worker died twice: {exc}"))
         return out
+
+    @staticmethod
+    def _answers(worker: Any) -> bool:
+        """Whether `worker` still answers after a call on it failed with RayActorError. That error also reaches the
+        driver through a live worker when an actor the worker called died (the store, whose death the driver handles
+        by restarting from its checkpoint); replacing the live worker then would only start a second engine beside
+        it (~40 s on 2 cores) before the restart."""
+        import ray
+
+        try:
+            ray.get(worker.ping.remote(), timeout=PING_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - gone, not answering, or an unhealthy engine: replaced as before
+            return False
+        return True
 
     def _resumable(self, share: Share) -> tuple[Share, list[EpisodeSummary]]:
         """A dead worker's share, to rerun, and the summaries of what it had handed to the store before it died
@@ -412,16 +432,12 @@ class RolloutPool:
         return record
 
     def _replace_if_dead(self, index: int) -> bool:
-        """Replaces worker `index` if it is dead; returns whether it did."""
-        import ray
-
+        """Replaces worker `index` if it no longer answers; returns whether it did."""
         worker = self.workers[index]
-        try:
-            ray.get(worker.ping.remote())
+        if self._answers(worker):
             return False
-        except ray.exceptions.RayActorError:
-            self._replace(index, worker)
-            return True
+        self._replace(index, worker)
+        return True
 
     def published(self, path: str, version: int) -> None:
         """Complete weights written to disk at `path` as `version` (the engines were synced in memory)."""

@@ -60,6 +60,7 @@ PROCESS_KINDS = (("ray::RolloutWorker", "rollout worker"), ("VLLM::EngineCore", 
                  ("VLLM::Worker", "engine worker"), ("ray::PolicyTrainer", "trainer rank"),
                  ("ray::TrajectoryStore", "store"), ("agentrl.rollout.env_host", "env process"))
 ENV_ID = "tests.faulty_envs:tests/FlakyCalc-v0"
+FIND_WAIT_S = 120.0  # a rollout worker's engine starts in ~40 s on 2 cores; a restart starts every actor again
 STEP_LINE = re.compile(r"agentrl: step (\d+)/(\d+):")
 
 
@@ -123,12 +124,23 @@ class Job:
 
 
 def find(job: Job, kind: str) -> int | None:
-    """The pid of a process to kill for a fault of `kind` (the driver: the job's own)."""
+    """The pid of a process to kill for a fault of `kind` (the driver: the job's own). Of several matches, the
+    youngest: one of an earlier attempt's actors may still be ending (a restart from the checkpoint kills them and
+    starts new ones), and killing it would hurt nothing."""
     if kind == "driver":
         return job.proc.pid
     prefix = TARGETS[kind]
-    found = [p for p in descendants(job.proc.pid) if cmdline(p).startswith(prefix)]
-    return found[0] if found else None
+    found = [p for p in descendants(job.proc.pid) if cmdline(p).startswith(prefix) and alive(p)]
+    return max(found, key=started_at, default=None)
+
+
+def started_at(pid: int) -> int:
+    """The process's start time, in clock ticks since boot (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
 def process_kind(pid: int, driver: int) -> str | None:
@@ -149,6 +161,7 @@ def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
     job, attempts, leftovers = Job(overrides, log_file), 1, []
     memory: list[tuple[float, str, float]] = []  # (time, kind, MiB)
     step, step_times = 0, []  # the highest RL step seen; when each new one was printed
+    replacements = 0  # rollout workers the job replaced (a fault of another kind must cause none)
     pending = list(faults)
     last_sample = 0.0
     while True:
@@ -184,6 +197,7 @@ def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
                 if not f.healed and f.kind in ("trainer_rank", "store"):
                     f.healed = "restarted in place"
         if "rollout worker" in line and "starting a replacement" in line:
+            replacements += 1
             for f in after:
                 if not f.healed and f.kind in ("rollout_worker", "engine_core"):
                     f.healed = "replaced"
@@ -204,16 +218,22 @@ def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
             time.sleep(fault.delay_s)
             inject(job, fault, step, leftovers)
     log_file.close()
-    return {"attempts": attempts, "seconds": time.monotonic() - started, "memory": memory,
+    return {"attempts": attempts, "replacements": replacements, "seconds": time.monotonic() - started,
+            "memory": memory,
             "leftovers": leftovers, "step_s": statistics.median(b - a for a, b in zip(step_times, step_times[1:]))
             if len(step_times) > 2 else 0.0}
 
 
 def inject(job: Job, fault: Fault, step: int, leftovers: list) -> None:
-    pid = find(job, fault.kind)
+    """SIGKILLs the fault's process. A job that is restarting has none of that kind for a while (the engine core
+    between a worker's death and its replacement's start, any actor while the job restarts from its checkpoint): the
+    fault waits up to FIND_WAIT_S for one, and is "missed" only if none comes."""
     fault.at_step = step
+    deadline = time.monotonic() + FIND_WAIT_S
+    while (pid := find(job, fault.kind)) is None and time.monotonic() < deadline and job.proc.poll() is None:
+        time.sleep(0.5)
     if pid is None or not alive(pid):
-        fault.healed = "missed"  # e.g. the engine core between a worker's death and its replacement's start
+        fault.healed = "missed"
         return
     before = job.processes() if fault.kind == "driver" else []
     fault.pid, fault.injected_at, fault.injected_wall = pid, time.monotonic(), time.time()
@@ -369,7 +389,8 @@ def main() -> int:
           f"{total['lost_tokens']} lost ({total['lost_s']:.1f} episode-seconds)")
     survived = sum(f.healed not in ("", "missed") for f in faults)
     print(f"\nfaults survived: {survived} of {len(faults)} injected ({sum(f.healed == 'missed' for f in faults)} "
-          f"found no target); attempts (driver starts): {outcome['attempts']}; run length {outcome['seconds']:.0f}s; "
+          f"found no target); rollout workers replaced: {outcome['replacements']}; attempts (driver starts): "
+          f"{outcome['attempts']}; run length {outcome['seconds']:.0f}s; "
           f"median step {outcome['step_s']:.1f}s")
     print(f"groups drawn {result['groups']}, trained {result['taken']}, dropped {result['dropped'] or 0}, "
           f"missing {len(result['missing'])}")

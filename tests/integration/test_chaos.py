@@ -39,6 +39,8 @@ def test_a_job_under_faults_heals_and_trains_every_group_once(tmp_path):
     for f in faults:
         assert f.healed == HEALED[f.kind], (f, open(os.path.join(run_dir, "chaos.log")).read()[-5000:])
     assert outcome["attempts"] == 2  # the driver's death alone needed the command again
+    # only the engine core's death replaces a rollout worker (the store's, seen through a worker, restarts the job)
+    assert outcome["replacements"] == 1, open(os.path.join(run_dir, "chaos.log")).read()[-5000:]
     assert not outcome["leftovers"], outcome["leftovers"]
     result = chaos.audit(run_dir, chaos.job_overrides(run_dir, steps=args.steps, mode=args.mode, seed=args.seed))
     assert all(result["checks"].values()), result

@@ -198,6 +198,30 @@ def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid
         assert stored[f"d-{key}"]["tokens"] == stored[f"c-{key}"]["tokens"], key
 
 
+def test_a_store_that_dies_under_a_rollout_stops_it_without_replacing_the_worker(ray_session, hybrid_dir, tmp_path):
+    """The store's death reaches the driver through the worker that wrote to it (a RayActorError from the worker's
+    call). The worker still answers, so the pool raises, naming the store, for the driver to restart the job from its
+    checkpoint — it does not start a second engine beside the live one (the chaos runs' spurious replacement)."""
+    from agentrl.failures import lost_actor
+    from agentrl.store import StoreConfig, TrajectoryStoreActor
+
+    ray = ray_session
+    store = TrajectoryStoreActor.remote(StoreConfig(run_dir=str(tmp_path), group_size=2))
+    pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
+                                                             hybrid_dir, CONFIG), store=store)
+    try:
+        ray.get(pool.workers[0].ping.remote())  # the engine is up: the episodes below start at once
+        submitted = pool.submit([replace(r, env_kwargs={"max_turns": 6}) for r in requests(8, "s")], to_store=True)
+        ray.kill(store)
+        with pytest.raises(ray.exceptions.RayActorError) as raised:
+            pool.collect(submitted)
+        assert pool.restarts == 0
+        assert ray.get(pool.workers[0].ping.remote()) == 0  # the same worker, serving version 0
+    finally:
+        pool.shutdown()
+    assert lost_actor(raised.value).startswith("the trajectory store (TrajectoryStoreActor, pid "), str(raised.value)
+
+
 def test_paused_episodes_reach_their_worker_by_reference_and_lose_nothing(ray_session, hybrid_dir, tmp_path,
                                                                          monkeypatch):
     """Partial rollouts through the store (issue 21): episodes a token budget paused go to the store from their

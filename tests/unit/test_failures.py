@@ -28,14 +28,29 @@ def test_a_dead_actor_is_named_by_the_part_of_the_job_it_was():
     from ray.exceptions import RayActorError
 
     # Ray's message for a killed store actor, as ray 2.x words it (its first line names no actor)
-    said = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrajectoryStore\n\tactor_id: "
+    said = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrajectoryStoreActor\n\tactor_id: "
             "e2f6\n\tpid: 4858\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died.")
     assert lost_actor(RayActorError(error_msg=said)) == (
-        "the trajectory store (TrajectoryStore, pid 4858) died: RayActorError: The actor died unexpectedly before "
+        "the trajectory store (TrajectoryStoreActor, pid 4858) died: RayActorError: The actor died unexpectedly before "
         "finishing this task.")
-    assert lost_actor(RayActorError(error_msg=said.replace("TrajectoryStore", "PolicyTrainer"))).startswith(
+    assert lost_actor(RayActorError(error_msg=said.replace("TrajectoryStoreActor", "PolicyTrainer"))).startswith(
         "a trainer rank (PolicyTrainer, pid 4858) died")
     assert lost_actor(RuntimeError("rank 1 died during step")) == "RuntimeError: rank 1 died during step"
+
+
+def test_a_store_that_died_under_a_rollout_workers_call_is_named_not_the_worker():
+    from ray.exceptions import RayActorError
+
+    # the text of the RayTaskError(ActorDiedError) a worker's generate raised when the store it wrote to was killed
+    # (ray 2.60, trimmed): the first line is the worker's task; the dead actor is below Ray's own exception
+    said = ("\x1b[36mray::RolloutWorker.generate()\x1b[39m (pid=19505, ip=192.0.2.2, actor_id=34d6)\n"
+            "  File \"/x/worker.py\", line 14, in generate\n    return ray.get(self.store.put.remote(1))\n"
+            "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n"
+            "\tclass_name: _store_actor_class.<locals>.TrajectoryStoreActor\n\tactor_id: 8c43\n\tpid: 19504\n"
+            "The actor is dead because its worker process has died.")
+    assert lost_actor(RayActorError(error_msg=said)) == (
+        "the trajectory store (TrajectoryStoreActor, pid 19504) died: ActorDiedError: The actor died unexpectedly before "
+        "finishing this task.")
 
 
 def test_mlflow_counts_failed_episodes_per_boundary_every_step():
