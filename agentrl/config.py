@@ -114,6 +114,9 @@ class AlgorithmConfig:
     # sft_steps); checked every sft_eval_every steps. "A modest success rate" leaves RL something to learn.
     sft_target_success: float | None = None
     sft_eval_every: int = 10  # SFT steps between the warm start's greedy checks (with sft_target_success)
+    # once a check reaches this greedy success rate the warm start checks after every step (None: never): the rise
+    # to the target can be sharp enough that a check every sft_eval_every steps lands well past it
+    sft_check_every_step_from: float | None = None
     eval_every: int = 0  # evaluate the success rate on held-out tasks every n steps (0: only at start and end)
     # steps (SFT and RL) between checkpoints: a stopped run resumes from the last one, and MLflow gets a step's metrics
     # once it is checkpointed (a resumed run never logs a step twice)
@@ -141,6 +144,9 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.sft_target_success={self.sft_target_success!r} must be in (0, 1] (or null)")
         if self.sft_eval_every < 1:
             raise ValueError(f"algorithm.sft_eval_every={self.sft_eval_every!r} must be >= 1")
+        if self.sft_check_every_step_from is not None and not 0 <= self.sft_check_every_step_from <= 1:
+            raise ValueError(f"algorithm.sft_check_every_step_from={self.sft_check_every_step_from!r} must be in "
+                             "[0, 1] (or null)")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("algorithm.mode='async' trains on rollouts one version old: max_staleness must be >= 1")
         if not 0 <= self.max_failed_fraction <= 1 or self.failure_window < 1:

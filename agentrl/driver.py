@@ -533,7 +533,8 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
     `checkpoint_every` SFT steps (its steps' metrics reach MLflow then); the caller checkpoints the end.
 
     With `algorithm.sft_target_success` set, every `sft_eval_every` steps the rollout workers take the weights and
-    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target. A stop
+    the held-out tasks are evaluated greedily; the warm start ends once the success rate reaches the target. Once a
+    check reaches `sft_check_every_step_from`, it checks after every step. A stop
     request checkpoints after the current SFT step; a resumed warm start continues at `first_step` with the tasks
     it would have drawn.
     """
@@ -557,6 +558,7 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
               if algo.sft_target_success is not None else None)
     step = first_step - 1
     started = time.perf_counter()
+    every = algo.sft_eval_every  # 1 once a check is near the target
     for step in range(first_step, algo.sft_steps + 1):
         tasks = [rng.randrange(job.env.train_tasks) for _ in range(algo.sft_batch_episodes)]
         batch = []
@@ -569,7 +571,7 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
                                 f"{first_line(exc)} (algorithm.sft_steps=0 trains without a warm start)") from exc
         metrics = {f"sft/{k}": v for k, v in trainer.step(batch, sft).items()}
         reached = False
-        if algo.sft_target_success is not None and step % algo.sft_eval_every == 0 and step < algo.sft_steps:
+        if algo.sft_target_success is not None and step % every == 0 and step < algo.sft_steps:
             if warmup is not None:
                 pool.collect(warmup)
                 warmup = None
@@ -577,6 +579,8 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
+            near = algo.sft_check_every_step_from
+            every = 1 if near is not None and success >= near else every
         metrics_log.add(step - 1, metrics)
         if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
             shown = ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics)

@@ -26,6 +26,7 @@ def test_quickstart_config_loads_with_overrides_and_ties_the_trainer_to_the_job(
     ("algorithm.sft_lr=0", "algorithm.sft_lr"),
     ("algorithm.sft_target_success=1.5", "algorithm.sft_target_success"),
     ("algorithm.sft_eval_every=0", "algorithm.sft_eval_every"),
+    ("algorithm.sft_check_every_step_from=1.2", "algorithm.sft_check_every_step_from"),
 ])
 def test_bad_configs_fail_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
