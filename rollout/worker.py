@@ -281,6 +281,7 @@ class RolloutPool:
             return
         self.restarts += 1
         log.warning("rollout worker %d died; starting a replacement", index)
+        ray.kill(dead)  # one that stopped answering without dying must not keep its engine beside the replacement's
         spec, *rest = self.args
         # built on the newest complete weights on disk (the ones it started with may be pruned), then brought to the
         # version the others serve if that one only exists in memory
