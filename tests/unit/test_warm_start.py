@@ -72,7 +72,7 @@ def checks_of(tmp_path, monkeypatch, rates: list[float], *overrides: str) -> lis
 
 def test_the_warm_start_checks_every_sft_eval_every_steps_and_stops_at_the_target(tmp_path, monkeypatch):
     checks = checks_of(tmp_path, monkeypatch, [0.1, 0.3, 0.5, 0.9], "algorithm.sft_steps=30",
-                       "algorithm.sft_eval_every=5")
+                       "algorithm.sft_eval_every=5", "algorithm.sft_check_every_step_from=null")
     assert checks == [(5, 0.1), (10, 0.3), (15, 0.5)]
 
 
