@@ -579,8 +579,8 @@ def warm_start(job: JobConfig, trainer, metrics_log: PendingMetrics, pool, sampl
             success = evaluate(pool, job, sampler).get("eval/success_rate", 0.0)
             metrics["sft/eval_success_rate"] = success
             reached = success >= algo.sft_target_success
-            near = algo.sft_check_every_step_from
-            every = 1 if near is not None and success >= near else every
+            if algo.sft_check_every_step_from is not None and success >= algo.sft_check_every_step_from:
+                every = 1
         metrics_log.add(step - 1, metrics)
         if step % 10 == 1 or step == algo.sft_steps or "sft/eval_success_rate" in metrics:
             shown = ", ".join(f"{k[4:]} {metrics[k]:.3f}" for k in ("sft/loss", "sft/eval_success_rate") if k in metrics)

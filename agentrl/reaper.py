@@ -39,14 +39,20 @@ def start_reaper() -> subprocess.Popen | None:
 _reaper: subprocess.Popen | None = None
 
 
-def _identity(pid: int) -> tuple[int, str] | None:
-    """(pid, start time in clock ticks since boot), or None when the process is gone."""
+def start_ticks(pid: int) -> int | None:
+    """The process's start time, in clock ticks since boot; None when it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return (pid, fields[19]) if fields[0] != "Z" else None  # field 22 of stat: 20th after the name
+    return int(fields[19]) if fields[0] != "Z" else None  # field 22 of stat: 20th after the name
+
+
+def _identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time), or None when the process is gone."""
+    start = start_ticks(pid)
+    return None if start is None else (pid, start)
 
 
 def descendants(pid: int) -> list[int]:

@@ -48,7 +48,7 @@ from collections import Counter, defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from agentrl.reaper import GRACE_S  # noqa: E402
+from agentrl.reaper import GRACE_S, start_ticks  # noqa: E402
 from tests.processes import alive, cmdline, descendants, rss_mb  # noqa: E402
 
 KINDS = ("rollout_worker", "engine_core", "trainer_rank", "store", "driver")
@@ -131,16 +131,7 @@ def find(job: Job, kind: str) -> int | None:
         return job.proc.pid
     prefix = TARGETS[kind]
     found = [p for p in descendants(job.proc.pid) if cmdline(p).startswith(prefix) and alive(p)]
-    return max(found, key=started_at, default=None)
-
-
-def started_at(pid: int) -> int:
-    """The process's start time, in clock ticks since boot (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
+    return max(found, key=lambda p: start_ticks(p) or 0, default=None)
 
 
 def process_kind(pid: int, driver: int) -> str | None:

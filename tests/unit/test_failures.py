@@ -31,8 +31,8 @@ def test_a_dead_actor_is_named_by_the_part_of_the_job_it_was():
     said = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrajectoryStoreActor\n\tactor_id: "
             "e2f6\n\tpid: 4858\n\tip: 192.0.2.2\nThe actor is dead because its worker process has died.")
     assert lost_actor(RayActorError(error_msg=said)) == (
-        "the trajectory store (TrajectoryStoreActor, pid 4858) died: RayActorError: The actor died unexpectedly before "
-        "finishing this task.")
+        "the trajectory store (TrajectoryStoreActor, pid 4858) died: RayActorError: The actor died unexpectedly "
+        "before finishing this task.")
     assert lost_actor(RayActorError(error_msg=said.replace("TrajectoryStoreActor", "PolicyTrainer"))).startswith(
         "a trainer rank (PolicyTrainer, pid 4858) died")
     assert lost_actor(RuntimeError("rank 1 died during step")) == "RuntimeError: rank 1 died during step"
@@ -49,8 +49,8 @@ def test_a_store_that_died_under_a_rollout_workers_call_is_named_not_the_worker(
             "\tclass_name: _store_actor_class.<locals>.TrajectoryStoreActor\n\tactor_id: 8c43\n\tpid: 19504\n"
             "The actor is dead because its worker process has died.")
     assert lost_actor(RayActorError(error_msg=said)) == (
-        "the trajectory store (TrajectoryStoreActor, pid 19504) died: ActorDiedError: The actor died unexpectedly before "
-        "finishing this task.")
+        "the trajectory store (TrajectoryStoreActor, pid 19504) died: ActorDiedError: The actor died unexpectedly "
+        "before finishing this task.")
 
 
 def test_mlflow_counts_failed_episodes_per_boundary_every_step():

@@ -86,6 +86,6 @@ def test_near_its_target_the_warm_start_checks_after_every_step(tmp_path, monkey
 
 def test_the_warm_start_never_checks_at_its_last_step(tmp_path, monkeypatch):
     """The last SFT step is not checked: the job evaluates right after the warm start anyway."""
-    checks = checks_of(tmp_path, monkeypatch, [0.25, 0.3, 0.3, 0.3], "algorithm.sft_steps=8", "algorithm.sft_eval_every=5",
-                       "algorithm.sft_check_every_step_from=0.2")
+    checks = checks_of(tmp_path, monkeypatch, [0.25, 0.3, 0.3, 0.3], "algorithm.sft_steps=8",
+                       "algorithm.sft_eval_every=5", "algorithm.sft_check_every_step_from=0.2")
     assert [step for step, _ in checks] == [5, 6, 7]
