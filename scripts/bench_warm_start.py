@@ -30,6 +30,7 @@ def oracle_probabilities(model_dir: str, job, temperatures: list[float]) -> dict
     from transformers import AutoTokenizer
 
     from agentrl.chat import load_chat_format
+    from agentrl.driver import TaskSampler
     from agentrl.envs import make
     from agentrl.model.modeling import HybridMoEForCausalLM
     from agentrl.rollout.oracle import oracle_trajectory
@@ -38,9 +39,9 @@ def oracle_probabilities(model_dir: str, job, temperatures: list[float]) -> dict
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = HybridMoEForCausalLM.from_pretrained(model_dir).eval()
     env = make(job.env.id, **job.env.kwargs)
-    tasks = range(job.env.train_tasks, job.env.num_tasks)  # the held-out tasks, as agentrl eval takes them
-    trajectories = [oracle_trajectory(env, chat, env_id=job.env.id, task_index=i, seed=i, group_id=f"eval-{i}")
-                    for i in tasks]
+    held_out = TaskSampler(job).eval_requests()  # the tasks and seeds the job's greedy checks and agentrl eval use
+    trajectories = [oracle_trajectory(env, chat, env_id=job.env.id, task_index=r.task_index, seed=r.seed,
+                                      group_id=r.group_id) for r in held_out]
     out = {}
     for temperature in temperatures:
         sequence_p, digit_p = [], []
