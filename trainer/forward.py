@@ -23,9 +23,11 @@ from agentrl.trainer.losses import LossConfig, LossOutput, policy_loss
 
 
 class PackedPolicy(nn.Module):
-    """forward(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, shard) → (logprobs_T, entropy_T), fp32.
+    """forward(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, shard, temperature) → (logprobs_T,
+    entropy_T), fp32.
 
-    `shard` (context parallelism): the tokens are this rank's slice of a micro-batch (batching.context_slice)."""
+    `shard` (context parallelism): the tokens are this rank's slice of a micro-batch (batching.context_slice).
+    `temperature` overrides the sampling temperature given at construction for one call."""
 
     def __init__(self, policy: HybridMoEForCausalLM, temperature: float = 1.0):
         super().__init__()
@@ -36,10 +38,12 @@ class PackedPolicy(nn.Module):
 
     def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_ids_T: torch.Tensor,
                 forced_experts_TLK: torch.Tensor | None = None,
-                shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                shard: ContextShard | None = None,
+                temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, shard)
         logprobs, entropy = chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T,
-                                                   self.temperature, return_entropy=True)
+                                                   self.temperature if temperature is None else temperature,
+                                                   return_entropy=True)
         return logprobs, entropy
 
 
@@ -51,13 +55,19 @@ def micro_batch_loss(forward: Forward, micro: MicroBatch, config: LossConfig,
     """Runs `forward` (a PackedPolicy or the DeepSpeed engine around one) on a micro-batch and applies the loss.
 
     `reference` (a frozen PackedPolicy) supplies the reference log-probs of the KL term when kl_coef > 0.
+
+    The RL losses take log-probs at the sampling temperature (the engine recorded its log-probs of softmax(z/τ), and
+    the policy being improved is that tempered one). SFT takes them at temperature 1: it fits the demonstrations
+    themselves, and sampling at τ < 1 then sharpens that fit. Fitted at τ instead, sampling at τ gives back exactly
+    the fit, as flat as sampling at 1 would without the temperature (docs/benchmarks.md, "Three more levers").
     """
     args = micro.forward_args(device)
-    logp, entropy = forward(*args)
+    temperature = 1.0 if config.kind == "sft" else None
+    logp, entropy = forward(*args, temperature=temperature)
     ref = None
     if reference is not None and config.kl_coef > 0:
         with torch.no_grad():
-            ref, _ = reference(*args)
+            ref, _ = reference(*args, temperature=temperature)
     return policy_loss(logp_T=logp.float(), entropy_T=entropy.float(),
                        infer_T=micro.infer_logprobs_T.to(device), adv_T=micro.advantages_T.to(device),
                        weights_T=micro.weights_T.to(device), mask_T=micro.loss_mask_T.to(device),

@@ -146,6 +146,34 @@ def test_kl_term_uses_the_frozen_reference_forward():
     assert moved.loss.item() - without.loss.item() == pytest.approx(0.5 * kl_mean, rel=1e-4)
 
 
+def test_sft_fits_at_temperature_one_and_rl_at_the_sampling_temperature():
+    """A policy sampled at τ = 0.5: its SFT loss is the cross-entropy of the untempered model (the loss a τ = 1
+    policy gives), its PPO loss and entropy those of softmax(z/τ)."""
+    model = tiny_model()
+    with torch.no_grad():  # logits far from uniform, so that the temperature matters
+        model.lm_head.weight.mul_(30.0)
+    trajs = [make_traj(i, 30, group="g", reward=float(i)) for i in range(4)]
+    plan = plan_step(trajs, grpo_advantages(trajs, normalize_std=False), world_size=1, token_budget=1000,
+                     aggregation="token-mean")
+    micro = plan.per_rank[0][0]
+    hot, plain = PackedPolicy(model, temperature=0.5), PackedPolicy(model)
+    sft = LossConfig(kind="sft", aggregation="token-mean")
+    assert micro_batch_loss(hot, micro, sft).loss.item() == pytest.approx(
+        micro_batch_loss(plain, micro, sft).loss.item(), rel=1e-6)
+    with torch.no_grad():
+        tempered, _ = plain(*micro.forward_args("cpu"), temperature=0.5)
+    mask = micro.loss_mask_T.bool()
+    # the SFT loss is the token-mean negative log-likelihood at τ = 1, not at 0.5 (which differs)
+    nll_plain = -plain(*micro.forward_args("cpu"))[0][mask].mean().item()
+    assert micro_batch_loss(hot, micro, sft).loss.item() == pytest.approx(nll_plain, rel=1e-5)
+    assert abs(-tempered[mask].mean().item() - nll_plain) > 0.1
+    ppo = LossConfig(kind="ppo")
+    assert micro_batch_loss(hot, micro, ppo).sums["entropy"] == pytest.approx(
+        micro_batch_loss(PackedPolicy(model, temperature=0.5), micro, ppo).sums["entropy"], rel=1e-6)
+    assert micro_batch_loss(hot, micro, ppo).sums["entropy"] != pytest.approx(
+        micro_batch_loss(plain, micro, ppo).sums["entropy"], rel=1e-3)
+
+
 def test_mini_batches_hold_whole_groups_and_lose_no_trajectory():
     batch = [make_traj(g * 4 + m, 12, group=f"g{g}", reward=float(m % 2)) for g in range(5) for m in range(4)]
     advantages = grpo_advantages(batch, normalize_std=True)
