@@ -23,7 +23,8 @@ class TrainerConfig:
         micro_batch_tokens: token budget of one packed micro-batch.
         gradient_checkpointing: recompute each sub-layer in the backward pass.
         routing_replay: train with the experts the engine chose (R3) when trajectories carry them.
-        temperature: the sampling temperature whose log-probs the engine recorded.
+        temperature: the sampling temperature whose log-probs the engine recorded; the RL losses use it, SFT
+            trains at 1 (trainer/forward.py says why).
         seed: initialises a model built from a config and the RNGs.
         loss: the objective (LossConfig; kind="sft" for supervised warm starts).
         keep_weight_versions: published versions kept on disk.
