@@ -30,6 +30,7 @@ their step, so only the second compares an all-KDA model with a hybrid.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -40,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentrl.model import layers  # noqa: E402
+from agentrl.model import layers, logprob_kernels  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
 from agentrl.net import free_port  # noqa: E402
@@ -244,13 +245,29 @@ def measure(built: Built, loss_fn, tokens: int, repeats: int = 3) -> tuple[str, 
 MODELS = {
     "agentrl": ("agentrl `small` (K3 layout)", agentrl_small, agentrl_loss, True),
     "unfused": ("agentrl `small`, fla fused kernels off", agentrl_small, agentrl_loss, False),
+    "small-torch-head": ("agentrl `small`, log-prob head in PyTorch", agentrl_small, agentrl_loss, "torch-head"),
     "fla": ("fla KDAForCausalLM", fla_kda, hf_loss, True),
     "fla-hybrid": ("fla KDAForCausalLM + softmax layers 4, 8", fla_hybrid, hf_loss, True),
     "kimi": ("transformers KimiLinearForCausalLM", kimi_linear, hf_loss, True),
     "kimi-linear-4l": ("agentrl at Kimi Linear 48B's width, 4 layers", agentrl_real_width("kimi-linear-4l"),
                        agentrl_loss, True),
+    "kimi-linear-4l-torch-head": ("agentrl at Kimi Linear 48B's width, 4 layers, log-prob head in PyTorch",
+                                  agentrl_real_width("kimi-linear-4l"), agentrl_loss, "torch-head"),
     "k3-4l": ("agentrl at K3's width, 4 layers, 64 experts", agentrl_real_width("k3-4l"), agentrl_loss, True),
 }
+
+
+@contextlib.contextmanager
+def kernels(setting):
+    """The model's fused CUDA kernels for a MODELS entry: True (all, the log-prob head's Triton kernels included,
+    which the model leaves off by default until they have run on a GPU), False (none: the PyTorch references) or
+    "torch-head" (all but the log-prob head's kernels: what they buy)."""
+    previous = layers.set_fused(setting is not False), logprob_kernels.set_enabled(setting is True)
+    try:
+        yield
+    finally:
+        layers.set_fused(previous[0])
+        logprob_kernels.set_enabled(previous[1])
 DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real widths only when asked for
 
 
@@ -268,11 +285,8 @@ def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> Non
         for tokens in tokens_list:
             # a cold Triton cache compiles and autotunes fla's kernels in the warm-up step: minutes, silently
             print(f"  {name} T={tokens}: warming up", flush=True)
-            previous = layers.set_fused(fused)
-            try:
+            with kernels(fused):
                 tps, mfu, mfu_attention, note = measure(built, loss_fn, tokens)
-            finally:
-                layers.set_fused(previous)
             results.setdefault(name, {})[tokens] = tps
             rows.append([name, f"{built.total / 1e6:.0f}M / {built.active / 1e6:.0f}M", tokens, tps, mfu,
                          mfu_attention, note])
@@ -786,8 +800,7 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
         torch.manual_seed(0)
         built = build()
         model = built.model.to("cuda", torch.bfloat16).train()
-        previous = layers.set_fused(fused)
-        try:
+        with kernels(fused):
             for tokens in tokens_list:
                 step = train_step(model, loss_fn, tokens)
                 started = time.perf_counter()
@@ -812,8 +825,6 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
                     with open(out, "w") as f:
                         f.write("\n\n".join(texts))
                 del step
-        finally:
-            layers.set_fused(previous)
         del built, model
         torch.cuda.empty_cache()
     print("### Where one fwd+bwd step's time goes (profiled step; wall time: median of 3 unprofiled)\n")
@@ -860,9 +871,9 @@ def main() -> None:
                         "a profile of each DeepSpeed step")
     parser.add_argument("--cp", type=int, nargs="*", default=None, help="cp-memory: the degrees, each at every "
                         "--tokens length (default 64K at CP 1 and 2, 256K at CP 2)")
-    parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of agentrl, "
-                        "unfused, fla, fla-hybrid, kimi, kimi-linear-4l, k3-4l (default the first five; profile: "
-                        "agentrl), in the order given")
+    parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of "
+                        f"{', '.join(MODELS)} (default {', '.join(DEFAULT_MODELS)}; profile: agentrl), in the order "
+                        "given")
     parser.add_argument("--variants", nargs="*", default=None, help="trainer: also time these TRAINER_VARIANTS "
                         "entries (none named: all)")
     parser.add_argument("--rounds", type=int, default=7, help="trainer: rounds of (bare, DeepSpeed) steps per process")

@@ -32,6 +32,11 @@ def set_fused(enabled: bool) -> bool:
     return previous
 
 
+def fused_enabled() -> bool:
+    """Whether the fused CUDA kernels are on (`set_fused`)."""
+    return _FUSED
+
+
 @functools.cache
 def _import(module: str) -> ModuleType | None:
     try:

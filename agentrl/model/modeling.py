@@ -31,6 +31,7 @@ from agentrl.model.checkpoint import load_checkpoint_tensors, load_state_into, s
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.kda import KimiDeltaAttention
+from agentrl.model import logprob_kernels
 from agentrl.model.layers import MLP, RMSNorm
 from agentrl.model.mla import GatedMLA
 from agentrl.model.moe import SparseMoE
@@ -322,9 +323,9 @@ def chunked_token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, tar
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """The log-prob head with a hand-written backward: each chunk's logits are made twice (forward, and again in
-    backward) with ~7 elementwise fp32 passes over them in all, where autograd over a checkpointed chunk ran ~20
-    (forward, recomputation, and each op's backward). On H200 the `small` step gained 1-6% with this and the fused
-    RMSNorm together (docs/benchmarks.md, session 8).
+    backward), where autograd over a checkpointed chunk ran ~20 elementwise fp32 passes over them (forward,
+    recomputation, and each op's backward). On H200 the `small` step gained 1-6% with this and the fused RMSNorm
+    together (docs/benchmarks.md, session 8).
 
     With z = h Wᵀ / τ, p = softmax(z), lp = z[t] − logsumexp(z) and H = logsumexp(z) − Σ p z:
         ∂lp/∂z = onehot(t) − p,    ∂H/∂z = −p ⊙ (z − Σ p z),
@@ -332,6 +333,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     ∂h = ∂z W / τ and ∂W = ∂zᵀ h / τ. Only logsumexp and H per token are kept between the passes. The forward
     chunks by tokens; the backward by tokens or by slices of the vocabulary, whichever leaves the smaller gradient
     to sum over its chunks (∂W [V, d] or ∂h [T, d]; summed in fp32 or wider).
+
+    Per block of logits, the statistics (`_block_stats`) and ∂z (`_grad_block`) can be one Triton pass each over the
+    GEMM's bf16/fp16 output on CUDA (`logprob_kernels`: off by default until they have run on a GPU); the PyTorch
+    forms here, over an fp32 copy (fp64 for fp64 inputs), are the reference and the CPU path.
     """
 
     @staticmethod
@@ -340,18 +345,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return z.div_(temperature) if temperature != 1.0 else z
 
     @staticmethod
+    def _block_stats(h, weight, targets, temperature, return_entropy):
+        """(logsumexp, target logit, entropy or None) per token of the logits h Wᵀ / τ."""
+        if logprob_kernels.available(h):
+            z = F.linear(h, weight)
+            lse, entropy = logprob_kernels.row_logsumexp_entropy(z, temperature, return_entropy)
+            target = z.gather(-1, targets[:, None]).squeeze(-1).float().div_(temperature)
+            return lse, target, (entropy if return_entropy else None)
+        z = _ChunkedLogprobs._logits(h, weight, temperature)
+        lse = torch.logsumexp(z, -1)
+        entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1) if return_entropy else None
+        return lse, z.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+    @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, return_entropy, chunk):
         num_tokens, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
         logprobs, logz = hidden.new_empty(num_tokens, dtype=dtype), hidden.new_empty(num_tokens, dtype=dtype)
         entropy = hidden.new_zeros(num_tokens, dtype=dtype)
         for s in range(0, num_tokens, chunk):
-            z = _ChunkedLogprobs._logits(hidden[s:s + chunk], weight, temperature)
-            lse = torch.logsumexp(z, -1)
-            logz[s:s + chunk] = lse
-            logprobs[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse
+            rows = slice(s, s + chunk)
+            lse, target, ent = _ChunkedLogprobs._block_stats(hidden[rows], weight, targets[rows], temperature,
+                                                             return_entropy)
+            logz[rows] = lse
+            logprobs[rows] = target - lse
             if return_entropy:
-                p = torch.exp(z - lse[:, None])
-                entropy[s:s + chunk] = lse - (p * z).sum(-1)
+                entropy[rows] = ent
         ctx.save_for_backward(hidden, weight, targets, logz, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
@@ -362,6 +380,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, logz, entropy = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
+        # contiguous: the kernels index them by row (a mean's backward hands in a stride-0 expansion)
+        grads = tuple(g.contiguous() if g is not None else None for g in (grad_logprobs, grad_entropy))
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
         if num_tokens < vocab:
@@ -369,32 +389,34 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if width >= 256:  # a multiple of 128 columns: the slice's logits are a GEMM operand's leading dimension
                 width -= width % 128
             grad_h, grad_w = _ChunkedLogprobs._backward_by_vocabulary(
-                hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, ctx.temperature, width,
-                need_h, need_w)
+                hidden, weight, targets, logz, entropy, *grads, ctx.temperature, width, need_h, need_w)
         else:
             grad_h, grad_w = _ChunkedLogprobs._backward_by_tokens(
-                hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk,
-                need_h, need_w)
+                hidden, weight, targets, logz, entropy, *grads, ctx.temperature, ctx.chunk, need_h, need_w)
         return grad_h, grad_w, None, None, None, None
 
     @staticmethod
-    def _grad_logits(z, lse, entropy, g_lp, g_ent, target, temperature):
-        """∂z of one block of logits z [tokens, vocabulary slice] (computed in z's storage), given its tokens'
-        logsumexp, entropy and incoming gradients ([tokens, 1] each; a gradient may be None) and `target`: (each
-        token's target column in the slice, clamped into it; 1 where the target lies in the slice, else 0)."""
+    def _grad_block(h, w, temperature, lse, entropy, g_lp, g_ent, column, inside):
+        """∂z, in h's dtype, of the block of logits h wᵀ / τ [tokens, vocabulary slice], given its tokens'
+        logsumexp, entropy and incoming gradients ([tokens] each; a gradient may be None), `column`, each token's
+        target column in the slice (clamped into it), and `inside`, 1 where the target lies in the slice, else 0."""
+        if logprob_kernels.available(h):
+            return logprob_kernels.grad_logits_(F.linear(h, w), temperature, lse, entropy, g_lp, g_ent, column,
+                                                inside)
+        z = _ChunkedLogprobs._logits(h, w, temperature)
+        lse = lse[:, None]
         if g_ent is not None:  # coefficient of −p: g_lp + g_H (z − E_p[z]), E_p[z] = lse − H
-            coef = (z - (lse - entropy)).mul_(g_ent)
+            coef = (z - (lse - entropy[:, None])).mul_(g_ent[:, None])
             if g_lp is not None:
-                coef.add_(g_lp)
+                coef.add_(g_lp[:, None])
         else:
-            coef = g_lp
+            coef = g_lp[:, None]
         grad_z = z.sub_(lse).exp_().mul_(coef).neg_()  # z's storage is reused: z is not needed any more
         if g_lp is not None:
-            column, inside = target
-            grad_z.scatter_add_(1, column, g_lp * inside)
+            grad_z.scatter_add_(1, column[:, None], (g_lp * inside)[:, None])
         if temperature != 1.0:
             grad_z.div_(temperature)
-        return grad_z
+        return grad_z.to(h.dtype)
 
     @staticmethod
     def _backward_by_tokens(hidden, weight, targets, logz, entropy, grad_logprobs, grad_entropy, temperature, chunk,
@@ -403,15 +425,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         vocabulary (T ≥ V)."""
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=logz.dtype) if need_w else None
+        inside = torch.ones_like(logz)  # every target lies in the full vocabulary
         for s in range(0, hidden.shape[0], chunk):
             rows = slice(s, s + chunk)
             h = hidden[rows]
-            z = _ChunkedLogprobs._logits(h, weight, temperature)
-            grad_z = _ChunkedLogprobs._grad_logits(
-                z, logz[rows, None], entropy[rows, None],
-                grad_logprobs[rows, None] if grad_logprobs is not None else None,
-                grad_entropy[rows, None] if grad_entropy is not None else None,
-                (targets[rows, None], 1.0), temperature).to(hidden.dtype)
+            grad_z = _ChunkedLogprobs._grad_block(
+                h, weight, temperature, logz[rows], entropy[rows],
+                grad_logprobs[rows] if grad_logprobs is not None else None,
+                grad_entropy[rows] if grad_entropy is not None else None, targets[rows], inside[rows])
             if need_h:
                 grad_h[rows] = grad_z @ weight
             if need_w:
@@ -427,16 +448,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         step, most of the head's backward time on an H200 (docs/benchmarks.md, "Real widths")."""
         grad_h = torch.zeros_like(hidden, dtype=logz.dtype) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
-        lse, ent = logz[:, None], entropy[:, None]
-        g_lp = grad_logprobs[:, None] if grad_logprobs is not None else None
-        g_ent = grad_entropy[:, None] if grad_entropy is not None else None
         for a in range(0, weight.shape[0], width):
             w = weight[a:a + width]
-            z = _ChunkedLogprobs._logits(hidden, w, temperature)
-            column = targets[:, None] - a
+            column = targets - a
             inside = ((column >= 0) & (column < w.shape[0])).to(logz.dtype)  # no host sync: a mask, not an index
-            grad_z = _ChunkedLogprobs._grad_logits(z, lse, ent, g_lp, g_ent, (column.clamp(0, w.shape[0] - 1), inside),
-                                                   temperature).to(hidden.dtype)
+            grad_z = _ChunkedLogprobs._grad_block(hidden, w, temperature, logz, entropy, grad_logprobs, grad_entropy,
+                                                  column.clamp(0, w.shape[0] - 1), inside)
             if need_h:
                 grad_h += grad_z @ w
             if need_w:
