@@ -122,7 +122,7 @@ def row_logsumexp_entropy(z: torch.Tensor, temperature: float, entropy: bool) ->
     lse_partials, _ = _kernels()
     rows, cols = z.shape
     assert z.stride(1) == 1
-    splits = triton_cdiv(cols, SPLIT)
+    splits = _cdiv(cols, SPLIT)
     m, s, t = (torch.empty(rows, splits, device=z.device, dtype=torch.float32) for _ in range(3))
     if rows:
         lse_partials[(rows, splits)](z, z.stride(0), cols, 1.0 / temperature, m, s, t, splits,
@@ -149,7 +149,7 @@ def grad_logits_(z: torch.Tensor, temperature: float, lse: torch.Tensor, entropy
     assert z.stride(1) == 1 and (grad_logprobs is not None or grad_entropy is not None)
     dummy = lse  # any fp32 pointer for an argument the kernel's constexpr flags never read
     if rows and cols:
-        kernel[(rows, triton_cdiv(cols, BLOCK))](
+        kernel[(rows, _cdiv(cols, BLOCK))](
             z, z.stride(0), cols, 1.0 / temperature, lse, entropy,
             grad_logprobs if grad_logprobs is not None else dummy,
             grad_entropy if grad_entropy is not None else dummy, column, inside,
@@ -157,5 +157,5 @@ def grad_logits_(z: torch.Tensor, temperature: float, lse: torch.Tensor, entropy
     return z
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:  # ceil(a / b)
     return -(-a // b)
