@@ -256,6 +256,8 @@ MODELS = {
     "k3-4l": ("agentrl at K3's width, 4 layers, 64 experts", agentrl_real_width("k3-4l"), agentrl_loss, True),
 }
 
+DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real widths only when asked for
+
 
 @contextlib.contextmanager
 def kernels(setting):
@@ -268,7 +270,6 @@ def kernels(setting):
     finally:
         layers.set_fused(previous[0])
         logprob_kernels.set_enabled(previous[1])
-DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real widths only when asked for
 
 
 def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> None:

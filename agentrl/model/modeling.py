@@ -25,13 +25,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from agentrl.model import logprob_kernels
 from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
 from agentrl.model.cache import HybridCache
 from agentrl.model.checkpoint import load_checkpoint_tensors, load_state_into, save_checkpoint
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.kda import KimiDeltaAttention
-from agentrl.model import logprob_kernels
 from agentrl.model.layers import MLP, RMSNorm
 from agentrl.model.mla import GatedMLA
 from agentrl.model.moe import SparseMoE
