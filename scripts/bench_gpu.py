@@ -21,10 +21,10 @@
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
 target log-probs; fla's fused linear cross-entropy; transformers' full logits and cross-entropy. MFU is
-6·N_active·tokens / step time over the H200's dense bf16 peak (990 TFLOP/s, datasheet), the anchors' convention,
-and once more with the softmax layers' causal attention FLOPs added (3 · T² · heads · (d_qk + d_v) per layer for
-fwd+bwd): the first ignores the T² work that only the models with softmax layers do, and at 128K that work is most of
-their step, so only the second compares an all-KDA model with a hybrid.
+6·N_active·tokens / step time over the dense bf16 peak of an H200 or H100 SXM (990 TFLOP/s, datasheet: the same for
+both), the anchors' convention, and once more with the softmax layers' causal attention FLOPs added (3 · T² · heads ·
+(d_qk + d_v) per layer for fwd+bwd): the first ignores the T² work that only the models with softmax layers do, and at
+128K that work is most of their step, so only the second compares an all-KDA model with a hybrid.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real
 @contextlib.contextmanager
 def kernels(setting):
     """The model's fused CUDA kernels for a MODELS entry: True (all, the log-prob head's Triton kernels included,
-    which the model leaves off by default until they have run on a GPU), False (none: the PyTorch references) or
+    the model's default), False (none: the PyTorch references) or
     "torch-head" (all but the log-prob head's kernels: what they buy)."""
     previous = layers.set_fused(setting is not False), logprob_kernels.set_enabled(setting is True)
     try:
@@ -294,7 +294,7 @@ def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> Non
             print(f"  {name} T={tokens}: {tps} tok/s {mfu} {mfu_attention} {note}", flush=True)
         del built
         torch.cuda.empty_cache()
-    print(f"\n### Training throughput, bf16 fwd+bwd, B=1, one H200 ({torch.cuda.get_device_name()})\n")
+    print(f"\n### Training throughput, bf16 fwd+bwd, B=1, one {torch.cuda.get_device_name()}\n")
     print(table(["model", "params total / active", "tokens", "tokens/s", "MFU (6·N_active)",
                  "MFU (+ attention T²)", "note"], rows))
     ours = results.get(MODELS["agentrl"][0])
@@ -512,8 +512,8 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
               flush=True)
         del model, state
         torch.cuda.empty_cache()
-    print(f"\n### In-memory weight sync on one H200: trainer process → a second process (bf16), median of "
-          f"{repeats}\n")
+    print(f"\n### In-memory weight sync on one {torch.cuda.get_device_name()}: trainer process → a second process "
+          f"(bf16), median of {repeats}\n")
     print(table(["model", "GB", "tensors", "transfer", "ms", "GB/s", "vs D2D copy"], rows))
     print(flush=True)
 
@@ -569,7 +569,8 @@ def bench_cp_memory(lengths=((65536, 1), (65536, 2), (262144, 2))) -> None:
                      " / ".join(f"{g[2]:.2f}" for g in got), f"{peak * 2**30 / (tokens / world) / 1024:.0f}",
                      f"{max(g[1] for g in got):.1f}"])
         print(rows[-1], flush=True)
-    print("\n### Context parallelism on one H200: `small` preset, ranks as processes sharing the GPU (gloo)\n")
+    print(f"\n### Context parallelism on one {torch.cuda.get_device_name()}: `small` preset, ranks as processes "
+          "sharing the GPU (gloo)\n")
     print(table(["tokens", "CP", "tokens per rank", "weights GiB", "peak above weights per rank (GiB)",
                  "KiB per token of a slice", "s (slowest rank, gloo via host)"], rows))
     print(flush=True)
@@ -781,8 +782,8 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
                          f"{statistics.median(adam) * 1e3:.0f}", f"{statistics.median(deep) * 1e3:.0f}",
                          f"{tokens / statistics.median(deep) / 1e3:.1f}K", f"{statistics.median(ratios):.2f}×",
                          f"{ratios[0]:.2f}–{ratios[-1]:.2f}"])
-    print(f"\n### DeepSpeed around the step on one H200: `small` preset, bf16, ms per step; {processes} processes × "
-          f"{rounds} rounds of (bare, bare + fused AdamW, DeepSpeed) per row\n")
+    print(f"\n### DeepSpeed around the step on one {torch.cuda.get_device_name()}: `small` preset, bf16, ms per step; "
+          f"{processes} processes × {rounds} rounds of (bare, bare + fused AdamW, DeepSpeed) per row\n")
     print(table(["tokens", "DeepSpeed step", "bare fwd+bwd", "bare + fused AdamW", "DeepSpeed", "tokens/s",
                  "bare / DeepSpeed (median)", "range over rounds"], rows))
     print(flush=True)
@@ -858,7 +859,8 @@ def bench_host() -> None:
                          f"{nbytes / sec / 1e9:.1f}"])
         del state, got
         torch.cuda.empty_cache()
-    print("### The bf16 state dict from one H200 to host memory (median of 5 after a warm-up)\n")
+    print(f"### The bf16 state dict from one {torch.cuda.get_device_name()} to host memory "
+          "(median of 5 after a warm-up)\n")
     print(table(["model", "tensors", "GB", "copy", "ms", "GB/s"], rows))
     print(flush=True)
 

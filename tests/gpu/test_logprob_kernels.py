@@ -3,8 +3,7 @@
 Each kernel on ragged shapes (one row, widths not a multiple of its blocks, several forward splits), bf16 and fp16,
 at τ = 1 and τ ≠ 1, with the reference computed in fp32 from the same low-precision logits; then the whole head,
 `chunked_token_logprobs` forward and backward, with the kernels on and off (`layers.set_fused`), in both backward
-orientations (the kernels turned on for it: they are off by default until they have run on a GPU). Skipped without
-CUDA or Triton.
+orientations. Skipped without CUDA or Triton.
 """
 
 import pytest
