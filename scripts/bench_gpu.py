@@ -261,9 +261,9 @@ DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real
 
 @contextlib.contextmanager
 def kernels(setting):
-    """The model's fused CUDA kernels for a MODELS entry: True (all, the log-prob head's Triton kernels included,
-    the model's default), False (none: the PyTorch references) or
-    "torch-head" (all but the log-prob head's kernels: what they buy)."""
+    """The model's fused CUDA kernels for a MODELS entry: True (all, the log-prob head's Triton kernels included:
+    the model's default), False (none: the PyTorch references) or "torch-head" (all but the log-prob head's kernels:
+    what they buy)."""
     previous = layers.set_fused(setting is not False), logprob_kernels.set_enabled(setting is True)
     try:
         yield

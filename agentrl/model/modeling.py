@@ -335,8 +335,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
     to sum over its chunks (∂W [V, d] or ∂h [T, d]; summed in fp32 or wider).
 
     Per block of logits, the statistics (`_block_stats`) and ∂z (`_grad_block`) can be one Triton pass each over the
-    GEMM's bf16/fp16 output on CUDA (`logprob_kernels`, on by default); the PyTorch
-    forms here, over an fp32 copy (fp64 for fp64 inputs), are the reference and the CPU path.
+    GEMM's bf16/fp16 output on CUDA (`logprob_kernels`, on by default); the PyTorch forms here, over an fp32 copy
+    (fp64 for fp64 inputs), are the reference and the CPU path.
     """
 
     @staticmethod
