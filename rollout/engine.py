@@ -40,6 +40,7 @@ Settings and why:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 from unittest import mock
 
@@ -96,6 +97,7 @@ def make_llm(model_dir: str, *, capture_routing: bool = True, weight_version: in
 
     args = engine_kwargs(model_dir, **kwargs)
     llm = LLM(**args)
+    release_import_frames()
     if "worker_extension_cls" in args:
         llm.collective_rpc("agentrl_setup", kwargs={"capture_routing": capture_routing, "version": weight_version})
     return llm
@@ -122,12 +124,33 @@ def start_async_llm(kwargs: dict[str, Any]):
     one_worker = all(kwargs.get(k, 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
                                                      "data_parallel_size"))
     if not (current_platform.is_cpu() and one_worker and kwargs.get("distributed_executor_backend") in (None, "uni")):
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    threads = {}
-    if "OMP_NUM_THREADS" not in os.environ:  # the cores vLLM's own worker process would be bound to
-        threads["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
-    with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}):
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, "distributed_executor_backend": "uni"}))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    else:
+        threads = {}
+        if "OMP_NUM_THREADS" not in os.environ:  # the cores vLLM's own worker process would be bound to
+            threads["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
+        with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}):
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, "distributed_executor_backend": "uni"}))
+    release_import_frames()
+    return engine
+
+
+def release_import_frames() -> None:
+    """Drops the tracebacks of the import errors vLLM's modules keep (e.g. `vllm.multimodal.media.audio` stores
+    why torchcodec failed to import, to re-raise when audio is used). vLLM imports such modules lazily while it
+    builds an engine, so the traceback's frames reach back, through f_back, to the frame that built it, and with it
+    the engine: the first engine a process builds was never freed, and its zmq sockets and engine-core process
+    outlived `shutdown()` until exit. The exceptions themselves stay, so the errors vLLM raises from them later keep
+    their message and type."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            seen = set()
+            while isinstance(value, BaseException) and id(value) not in seen:
+                seen.add(id(value))
+                value.__traceback__ = None
+                value = value.__cause__ or value.__context__
 
 
 # --- weight updates ------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ policy's, as the losses' importance ratios need.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import uuid
@@ -80,6 +81,7 @@ class PolicyEngine:
         self.receives_in_memory = reload_fn is _reload_agentrl  # agentrl's model: in-memory syncs (weight_transfer.py)
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]  # request ids unique across engines; one uuid per engine, not per call
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the AsyncLLM was built in (`create`)
 
     @classmethod
     async def create(cls, spec: EngineSpec, version: int = 0) -> PolicyEngine:
@@ -115,9 +117,11 @@ class PolicyEngine:
                                                               "version": version})
         from vllm.platforms import current_platform
 
-        return cls(llm, version=version, plugin=plugin and spec.return_routed_experts,
-                   reload_fn=_reload_agentrl if plugin else None,
-                   seeded_sampling=plugin or not current_platform.is_cpu())
+        engine = cls(llm, version=version, plugin=plugin and spec.return_routed_experts,
+                     reload_fn=_reload_agentrl if plugin else None,
+                     seeded_sampling=plugin or not current_platform.is_cpu())
+        engine._loop = asyncio.get_running_loop()
+        return engine
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingSpec, stop_token_ids: list[int], *,
                        into: Generation | None = None) -> Generation:
@@ -228,7 +232,22 @@ class PolicyEngine:
         return bool(getattr(self.llm, "errored", False))
 
     def shutdown(self) -> None:
+        """Stops the engine core and closes the engine's sockets. vLLM closes them, and cancels its output tasks, in
+        the event loop the engine was built in: called from outside that loop while it is stopped (a caller that runs
+        the loop itself, `loop.run_until_complete`), this runs the loop until that is done. Left undone, the sockets
+        stay open, and whoever later collects their zmq context blocks forever in its `term()`."""
         self.llm.shutdown()
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            loop.run_until_complete(_finish_cancelled_tasks())
+
+
+async def _finish_cancelled_tasks() -> None:
+    """Runs what vLLM's shutdown scheduled in this loop (closing the sockets, cancelling its tasks), then waits for
+    the cancelled tasks to end."""
+    await asyncio.sleep(0)
+    cancelled = [t for t in asyncio.all_tasks() if t.cancelling()]
+    await asyncio.gather(*cancelled, return_exceptions=True)
 
 
 async def _reload_from_directory(llm: Any, path: str, version: int) -> Any:

@@ -21,7 +21,8 @@ WORKER = textwrap.dedent("""
     from agentrl.rollout.policy_engine import EngineSpec, PolicyEngine
 
     async def main():
-        await PolicyEngine.create(EngineSpec(model=sys.argv[1], max_model_len=512, kv_cache_memory_bytes=64 << 20))
+        engine = await PolicyEngine.create(EngineSpec(model=sys.argv[1], max_model_len=512,
+                                                      kv_cache_memory_bytes=64 << 20))  # held while killed
         print("ready", flush=True)
         await asyncio.sleep(3600)
 
