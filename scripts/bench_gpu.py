@@ -790,6 +790,17 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
 
 
 # --- profile ------------------------------------------------------------------------------------------------------
+def host_syncs_and_launches(averages) -> tuple[int, int]:
+    """(the times the host waited for the GPU, the kernels it launched) in a profiled step's key averages. A wait is
+    a stream, event or device synchronize or a blocking copy (`.item()`, `.tolist()` and `.cpu()` of a GPU tensor
+    are a copy and a stream synchronize); the device synchronize that ends the profiled step is not counted."""
+    counts = {e.key: e.count for e in averages}
+    syncs = sum(counts.get(k, 0) for k in ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                                            "cudaMemcpy")) - 1
+    launches = sum(counts.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    return syncs, launches
+
+
 def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> None:
     """For each model and length: the step's wall time, its GPU busy time (the sum of kernel times: well below the
     wall time means the host is the bound) and the kernels that take the GPU's time."""
@@ -816,8 +827,9 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
                 # kernels only (as the table's "Self CUDA time total"): an aten op's self device time repeats them
                 gpu_us = sum(e.self_device_time_total for e in avg
                              if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+                syncs, launches = host_syncs_and_launches(avg)
                 summary.append([name, tokens, f"{wall * 1e3:.1f}", f"{gpu_us / 1e3:.1f}",
-                                f"{gpu_us / 1e6 / wall * 100:.0f}%"])
+                                f"{gpu_us / 1e6 / wall * 100:.0f}%", syncs, launches])
                 print(f"  {name} T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms", flush=True)
                 texts.append(f"### {name}, T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n"
                              + avg.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=80))
@@ -830,7 +842,8 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
         del built, model
         torch.cuda.empty_cache()
     print("### Where one fwd+bwd step's time goes (profiled step; wall time: median of 3 unprofiled)\n")
-    print(table(["model", "tokens", "wall ms", "GPU kernels ms", "GPU busy"], summary))
+    print(table(["model", "tokens", "wall ms", "GPU kernels ms", "GPU busy", "host syncs", "kernel launches"],
+                summary))
     print(flush=True)
 
 

@@ -45,6 +45,15 @@ class BalancingStats:
     max_over_mean: float  # max_j load_j / mean_j load_j; 1.0 is perfect balance
 
 
+def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n−1 occurs in the int64 `values`, all in [0, n): `torch.bincount(values, minlength=n)`
+    without its host syncs. On CUDA bincount reads the values' minimum and maximum back to the host to size its
+    output, two syncs per call, and the MoE layer counts three times per forward (its expert order, and the load and
+    margin histogram of Quantile Balancing). A scatter-add of ones into n counters needs no sizing; integer adds are
+    exact in any order."""
+    return torch.zeros(n, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 def competitor_threshold(biased_scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     """α_ij: the K-th largest biased score among the experts other than j, shape [T, E].
 
@@ -126,7 +135,7 @@ class ExpertBalancer:
         if self.method == "none":
             return
         device = scores_TE.device
-        load_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts).to(torch.float64)
+        load_E = count_values(topk_idx_TK.reshape(-1), self.num_experts).to(torch.float64)
         self.load_E = load_E if self.load_E is None else self.load_E + load_E
         if self.method != "quantile":
             return
@@ -137,7 +146,7 @@ class ExpertBalancer:
         margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E.float(), self.top_k)
         bins_TE = ((margins_TE - lo) * (self.num_bins / (hi - lo))).long().clamp_(0, self.num_bins - 1)
         flat = (bins_TE + torch.arange(self.num_experts, device=device) * self.num_bins).reshape(-1)
-        hist = torch.bincount(flat, minlength=self.num_experts * self.num_bins).view(self.num_experts, self.num_bins)
+        hist = count_values(flat, self.num_experts * self.num_bins).view(self.num_experts, self.num_bins)
         hist = hist.to(torch.float64)
         self.hist_EB = hist if self.hist_EB is None else self.hist_EB + hist
 

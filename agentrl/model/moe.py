@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrl.model.balancing import ExpertBalancer
+from agentrl.model.balancing import ExpertBalancer, count_values
 from agentrl.model.config import HybridMoEConfig
 from agentrl.model.layers import MLP, RMSNorm, glu
 
@@ -134,7 +134,7 @@ def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> ExpertOrder:
     flat = experts_TK.reshape(-1)
     pair_of_row = torch.argsort(flat, stable=True)
     row_of_pair = inverse_permutation(pair_of_row).view(experts_TK.shape)
-    return ExpertOrder(pair_of_row, row_of_pair, torch.bincount(flat, minlength=num_experts))
+    return ExpertOrder(pair_of_row, row_of_pair, count_values(flat, num_experts))
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:

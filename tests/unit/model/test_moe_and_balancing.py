@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agentrl.model.balancing import ExpertBalancer, exact_quantile_bias, histogram_quantile
+from agentrl.model.balancing import ExpertBalancer, count_values, exact_quantile_bias, histogram_quantile
 from agentrl.model.config import preset_config
 from agentrl.model.moe import Router, SparseMoE, combine, dispatch, grouped_matmul, sort_by_expert
 
@@ -181,3 +181,10 @@ def test_model_level_routing_replay_reproduces_logits():
         replay = model(ids, forced_experts=out.routed_experts)
     torch.testing.assert_close(replay.logits, out.logits)
     assert out.routed_experts.shape == (32, len(model.moe_layers), model.config.num_experts_per_token)
+
+
+@pytest.mark.parametrize("size, n", [(0, 4), (1, 1), (1000, 7), (4096, 256)])
+def test_count_values_equals_bincount(size, n):
+    values = torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(size))
+    got = count_values(values, n)
+    assert got.dtype == torch.long and got.tolist() == torch.bincount(values, minlength=n).tolist()
