@@ -134,6 +134,7 @@ class ChatFormat(ABC):
 
     def __init__(self, tokenizer: Tokenizer | None = None, *, stop_ids: Sequence[int] | None = None):
         self.tokenizer = tokenizer
+        self._messages: dict[tuple[Piece, ...], tuple[tuple[int, ...], str]] = {}  # see _encoded_message
         if tokenizer is None:
             self.stop_ids: tuple[int, ...] = tuple(stop_ids or ())
             return
@@ -197,10 +198,27 @@ class ChatFormat(ABC):
         spans = []
         for role, pieces in self.prompt_pieces(system, tools, user):
             start = len(ids)
-            ids += self.encode(pieces)
+            if role == "user":
+                ids += self.encode(pieces)
+                text = self.tokenizer.decode(ids[start:])
+            else:
+                message_ids, text = self._encoded_message(tuple(pieces))
+                ids += message_ids
             if role != "generation":
-                spans.append((role, start, len(ids), self.tokenizer.decode(ids[start:])))
+                spans.append((role, start, len(ids), text))
         return RenderedPrompt(ids=ids, spans=spans)
+
+    def _encoded_message(self, pieces: tuple[Piece, ...]) -> tuple[tuple[int, ...], str]:
+        """(ids, decoded text) of a message's pieces, remembered: every episode of an env renders the same system
+        message with the same tool schemas (half of a prompt's render time is the tool JSON's encoding), and the same
+        generation header. Each message is encoded on its own, so a remembered one has the ids rendering gives."""
+        hit = self._messages.get(pieces)
+        if hit is None:
+            if len(self._messages) >= 64:  # an env whose system message varies per task: bounded, not a leak
+                self._messages.clear()
+            ids = self.encode(pieces)
+            hit = self._messages[pieces] = (tuple(ids), self.tokenizer.decode(ids))
+        return hit
 
     def render_turn(self, turn: AssistantTurn) -> list[int]:
         return self.encode(self.turn_pieces(turn))

@@ -56,6 +56,23 @@ def test_turn_by_turn_rendering_equals_one_pass_and_the_template(formats, name):
     assert checked_prompts >= (NUM_CONVERSATIONS if name in WITH_TEMPLATE else 0)
 
 
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_a_remembered_system_message_renders_as_a_fresh_one(tokenizer_dirs, name):
+    """render_prompt remembers each system message's ids (every episode of an env has the same one): prompts whose
+    system message and tools repeat, with new user messages, render as they do on a format that has seen nothing;
+    the memory is bounded."""
+    chat = load_chat_format(tokenizer_dirs[name])
+    gen = Conversations(seed=11)
+    preambles = [gen.conversation()[:2] for _ in range(3)]
+    for i in range(80):
+        system, tools = preambles[i % 3] if i < 60 else gen.conversation()[:2]  # then 20 that do not repeat
+        user = gen.conversation()[2]
+        fresh = load_chat_format(tokenizer_dirs[name]).render_prompt(system, tools, user)
+        remembered = chat.render_prompt(system, tools, user)
+        assert (remembered.ids, remembered.spans) == (fresh.ids, fresh.spans), i
+    assert 0 < len(chat._messages) <= 64
+
+
 def same_turn(parsed: AssistantTurn, turn: AssistantTurn, name: str) -> bool:
     calls = [(c.name, c.arguments) for c in parsed.calls]
     expected = [(c.name, c.arguments) for c in turn.calls]
