@@ -124,6 +124,9 @@ def summary_rows(curves: RunCurves) -> list[tuple[str, str]]:
                                                  else "first → last evaluation")
         rows.append((label, f"{held_out[0][1]:.3f} (step {held_out[0][0]}) → {held_out[-1][1]:.3f} "
                             f"(step {held_out[-1][0]})"))
+    stalled = stalled_note(curves, success)
+    if stalled:
+        rows.append(("stalled", stalled))
     spent = [(label, sum(v for k in keys if k in curves.keys for _, v in curves.history(k))) for label, keys in PHASES]
     spent = [(label, s) for label, s in spent if s > 0]
     if spent:
@@ -132,6 +135,30 @@ def summary_rows(curves: RunCurves) -> list[tuple[str, str]]:
     if latest is not None:
         rows.append(("newest weights", f"{latest[1]} (version {latest[0]})"))
     return rows
+
+
+STALLED_STEPS = 3  # RL steps in a row that trained nothing before a summary calls the run stalled
+
+
+def stalled_note(curves: RunCurves, success: list[tuple[int, float]]) -> str | None:
+    """What to tell the user when the run's last STALLED_STEPS or more RL steps trained no group: every group's
+    rewards were equal, so GRPO had no advantage to learn from and the policy stopped changing (a policy that
+    collapsed to failing every episode stays there: docs/benchmarks.md, "Three times the RL steps"). The success
+    curve alone shows a flat line, not why."""
+    if not success or "train/groups_trained" not in curves.keys:
+        return None
+    trained = dict(curves.history("train/groups_trained"))
+    idle = 0
+    for step, _ in reversed(success):
+        if trained.get(step, 1) > 0:  # a step without the metric is not taken as idle
+            break
+        idle += 1
+    if idle < STALLED_STEPS:
+        return None
+    first_idle = success[-idle][0]
+    policy = "the warm start's" if idle == len(success) else f"the one step {success[-idle - 1][0]} trained"
+    return (f"nothing trained in the last {idle} RL steps (from step {first_idle}): every group's rewards were "
+            f"equal (training success {success[-1][1]:.3f} at the last step), so the policy is still {policy}")
 
 
 def summary_html(curves: RunCurves) -> str:

@@ -86,3 +86,31 @@ def test_the_summary_a_finished_run_prints(run_dir, tmp_path):
     assert f"the curves on one page:  .venv/bin/agentrl report {run_dir}" in lines
     assert f"evaluate the weights:    agentrl eval c.yaml --checkpoint {run_dir}" in lines
 
+
+
+def _run_that_trains_until(tmp_path, last_trained: int, steps: int = 10) -> str:
+    tracker = Tracker(TrackingConfig(experiment="t"), str(tmp_path / f"run{last_trained}"))
+    for step in range(1, steps + 1):
+        trained = step <= last_trained
+        tracker.log_metrics({"rollout/success_rate": 0.5 if trained else 0.0,
+                             "train/groups_trained": 9 if trained else 0,
+                             "train/uniform_groups": 7 if trained else 16}, step=step)
+    tracker.finish()
+    return str(tmp_path / f"run{last_trained}")
+
+
+def test_the_summary_says_when_a_run_stopped_training(run_dir, tmp_path):
+    """A policy that collapsed (every group's rewards equal, so nothing trains) is named in the summary, with the
+    step it stopped at; a run whose last one or two steps happened to train nothing, or that trained throughout,
+    is not."""
+    def rows(path):
+        text = summary_text(RunCurves(path), eval_command="agentrl eval c.yaml")
+        return {line.strip().split("  ")[0]: line.strip().split("  ", 1)[1].strip()
+                for line in text.splitlines() if "  " in line.strip()}
+
+    assert rows(_run_that_trains_until(tmp_path, 6))["stalled"] == (
+        "nothing trained in the last 4 RL steps (from step 7): every group's rewards were equal (training success "
+        "0.000 at the last step), so the policy is still the one step 6 trained")
+    assert rows(_run_that_trains_until(tmp_path, 0))["stalled"].endswith("so the policy is still the warm start's")
+    assert "stalled" not in rows(_run_that_trains_until(tmp_path, 8))  # two idle steps: not yet
+    assert "stalled" not in rows(run_dir)
