@@ -7,7 +7,7 @@ import xml.dom.minidom
 
 import pytest
 
-from agentrl.report import RunCurves, summary_text, svg_chart, table_report, write_report
+from agentrl.report import RunCurves, summary_rows, summary_text, svg_chart, table_report, write_report
 from agentrl.tracking import Tracker, TrackingConfig
 
 
@@ -87,7 +87,6 @@ def test_the_summary_a_finished_run_prints(run_dir, tmp_path):
     assert f"evaluate the weights:    agentrl eval c.yaml --checkpoint {run_dir}" in lines
 
 
-
 def _run_that_trains_until(tmp_path, last_trained: int, steps: int = 10) -> str:
     tracker = Tracker(TrackingConfig(experiment="t"), str(tmp_path / f"run{last_trained}"))
     for step in range(1, steps + 1):
@@ -103,10 +102,8 @@ def test_the_summary_says_when_a_run_stopped_training(run_dir, tmp_path):
     """A policy that collapsed (every group's rewards equal, so nothing trains) is named in the summary, with the
     step it stopped at; a run whose last one or two steps happened to train nothing, or that trained throughout,
     is not."""
-    def rows(path):
-        text = summary_text(RunCurves(path), eval_command="agentrl eval c.yaml")
-        return {line.strip().split("  ")[0]: line.strip().split("  ", 1)[1].strip()
-                for line in text.splitlines() if "  " in line.strip()}
+    def rows(path):  # summary_text prints these rows (test_the_summary_a_finished_run_prints)
+        return dict(summary_rows(RunCurves(path)))
 
     assert rows(_run_that_trains_until(tmp_path, 6))["stalled"] == (
         "nothing trained in the last 4 RL steps (from step 7): every group's rewards were equal (training success "
