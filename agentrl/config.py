@@ -132,6 +132,11 @@ class AlgorithmConfig:
     # did not fail; "drop" leaves the whole group out. A failed episode never enters the loss or the group baseline.
     failed_members: str = "resample"
     max_resamples: int = 1  # how often one failed member is run again under "resample" (then the group keeps it out)
+    # a run stalled by one update (its last 3 RL steps trained no group, every group's rewards equal, and their success
+    # rate fell below that of the step that made the update) goes back to the checkpoint saved before that update and
+    # on with the next steps' tasks, up to this many times (0: never; agentrl/stall.py). Needs the checkpoint before the
+    # update on disk: trainer.keep_checkpoints >= 2
+    max_rollbacks: int = 2
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -152,6 +157,8 @@ class AlgorithmConfig:
         if not 0 <= self.max_failed_fraction <= 1 or self.failure_window < 1:
             raise ValueError(f"algorithm.max_failed_fraction={self.max_failed_fraction} must be in [0, 1] and "
                              f"algorithm.failure_window={self.failure_window} >= 1")
+        if self.max_rollbacks < 0:
+            raise ValueError(f"algorithm.max_rollbacks={self.max_rollbacks} must be >= 0")
         if self.failed_members not in FAILED_MEMBERS or self.max_resamples < 0:
             raise ValueError(f"algorithm.failed_members={self.failed_members!r} must be one of {FAILED_MEMBERS} and "
                              f"algorithm.max_resamples={self.max_resamples} >= 0")

@@ -12,7 +12,8 @@ metrics of the steps it completes; the store replays its Parquet log to that pos
 its curves continue (MLflow gets a step once it is checkpointed, so no step is ever logged twice). A trainer rank or
 the store that dies restarts the job from that checkpoint in place; a dead rollout worker is replaced (RolloutPool).
 Episodes that were running when their worker or the run died continue from their last turn-boundary snapshot in the
-store (agentrl.rollout.snapshots).
+store (agentrl.rollout.snapshots). A run that one update stalled (every group's rewards equal from then on) goes back
+to the checkpoint before that update and on with new tasks (agentrl.stall).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from agentrl.interrupt import JobInterrupted, StopRequest
 from agentrl.report import duration
 from agentrl.rollout.agent_loop import EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.policy_engine import EngineSpec
+from agentrl.stall import STALLED_STEPS, StallWatch
 from agentrl.tracking import Tracker
 from agentrl.trainer.losses import LossConfig
 from agentrl.types import Boundary, EpisodeSummary, Status
@@ -174,6 +176,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
     in_flight = submit_rollout(step)
     metrics: dict[str, float] = {}
     watch = FailureWatch(job.env.id, job.algorithm.max_failed_fraction, job.algorithm.failure_window)
+    stall, rollbacks = StallWatch.resumed(state.get("stall")), state.get("rollbacks", 0)
     progress = Progress(first_step=step, last_step=job.algorithm.steps)
     while step < job.algorithm.steps:
         t_step = time.perf_counter()
@@ -200,15 +203,23 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         train_s = time.perf_counter() - t_train
         del batch  # the object store frees the batch once the ranks have it
         published = publish(job, trainer, pool) if selected.trajectories else None             # weights to engines
-        version = published.version if published else version
         step += 1
+        sampled_metrics = rollout_metrics(episodes)
+        restored = None
+        # (a step whose groups wait for more, in async mode, says nothing about the policy)
+        if selected.taken and stall.observe(len(selected.group_ids), sampled_metrics.get("rollout/success_rate")) \
+                and rollbacks < job.algorithm.max_rollbacks:                  # undo the update that stalled the run
+            rollbacks += 1
+            published, restored = roll_back(job, trainer, pool, step, rollbacks, published)
+            stall.reset()
+        version = published.version if published else version
         if job.algorithm.mode == "sync" and step < job.algorithm.steps:                   # next rollout
             in_flight = submit_rollout(step)
         every = job.rollout.weight_sync.publish_every
         write_s = write_to_disk(trainer, pool) if step == job.algorithm.steps or every and step % every == 0 else 0.0
         store_stats = ray.get(store.stats.remote())
         groups = GroupReport.of(job.rollout.groups_per_step, selected, dropped_before, store_stats)
-        metrics = {**rollout_metrics(episodes), **{f"train/{k}": v for k, v in train.items()},
+        metrics = {**sampled_metrics, **{f"train/{k}": v for k, v in train.items()},
                    "train/uniform_groups": selected.uniform, "train/short_groups_dropped": selected.short,
                    "train/groups_trained": groups.trained,
                    **{f"store/{k}": v for k, v in store_stats.items()},
@@ -219,6 +230,8 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
                    "time/step_s": time.perf_counter() - t_step,
                    "weights/publish_s": (published.write_s if published else 0.0) + write_s,
                    "weights/sync_bytes": published.num_bytes if published else 0}
+        if restored is not None:
+            metrics["train/rolled_back_to_step"] = restored
         if job.algorithm.eval_every and step % job.algorithm.eval_every == 0 or step == job.algorithm.steps:
             metrics.update(evaluate(pool, job, sampler))
         t_log = time.perf_counter()
@@ -228,7 +241,7 @@ def train(job: JobConfig, resolved: DictConfig | None, tracker: Tracker, stop: S
         if step % job.algorithm.checkpoint_every == 0 or step == job.algorithm.steps or stopping:
             position = ray.get(store.stats.remote())["position"]
             trainer.save_checkpoint({"store_position": int(position), "rl_step": step, "phase": "rl",
-                                     **metrics_log.state()})
+                                     "rollbacks": rollbacks, "stall": stall.state(), **metrics_log.state()})
             metrics_log.flush(log_s=time.perf_counter() - t_log)                                # log
         progress.report(step, metrics, groups, describe_failures(episodes), time.perf_counter() - t_step)
         if stopping:
@@ -260,6 +273,25 @@ def publish(job: JobConfig, trainer, pool) -> Published:
     pool.update_weights(weights.path, weights.version)
     return Published(version=weights.version, sync_s=time.perf_counter() - t0,
                      write_s=weights.gather_s + weights.write_s, num_bytes=weights.num_bytes)
+
+
+def roll_back(job: JobConfig, trainer, pool, step: int, rollback: int,
+              published: Published | None) -> tuple[Published | None, int | None]:
+    """The checkpoint saved before the update that stalled the run (agentrl/stall.py) into the trainer and every rollout
+    engine, as a new policy version; returns that and the RL step whose policy it is (0: the warm start's). Without
+    such a checkpoint on disk the run goes on as it was: (`published`, None)."""
+    try:
+        restored = int(trainer.roll_back().get("rl_step", 0))
+    except FileNotFoundError as exc:
+        log.warning("step %d: the last %d RL steps trained no group, and the run cannot roll back: %s", step,
+                    STALLED_STEPS, first_line(exc))
+        return published, None
+    policy = f"RL step {restored}'s" if restored else "the warm start's"
+    log.warning("step %d: the last %d RL steps trained no group (every group's rewards equal) and their success rate "
+                "fell below that of the update before them: the policy goes back to %s, and on with new tasks "
+                "(rollback %d of at most %d, algorithm.max_rollbacks)", step, STALLED_STEPS, policy, rollback,
+                job.algorithm.max_rollbacks)
+    return publish(job, trainer, pool), restored
 
 
 def write_to_disk(trainer, pool) -> float:
@@ -337,7 +369,11 @@ class Progress:
             parts.append(f"{skipped} of {int(metrics.get('train/optimizer_steps', skipped))} optimizer step(s) "
                          f"skipped: the gradient held inf or NaN")
         parts.append(f"{step_s:.0f}s" + (f", ETA {duration(left)}" if step < self.last_step else ""))
-        if not groups.trained:
+        if "train/rolled_back_to_step" in metrics:
+            restored = int(metrics["train/rolled_back_to_step"])
+            log.warning(" | ".join(parts) + " | rolled back to " +
+                        (f"RL step {restored}'s policy" if restored else "the warm start's policy"))
+        elif not groups.trained:
             log.warning(" | ".join(parts) + " | nothing trained: the policy did not change this step")
         elif skipped:
             log.warning(" | ".join(parts))

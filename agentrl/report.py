@@ -13,6 +13,7 @@ import html
 import os
 from dataclasses import dataclass
 
+from agentrl.stall import STALLED_STEPS
 from agentrl.tracking import RUN_ID_FILE, resolve_tracking_uri, run_page, start_and_end
 
 COLORS = ("#1a73e8", "#e8710a", "#188038", "#d93025", "#9334e6", "#12b5cb", "#f9ab00", "#5f6368")
@@ -124,6 +125,8 @@ def summary_rows(curves: RunCurves) -> list[tuple[str, str]]:
                                                  else "first → last evaluation")
         rows.append((label, f"{held_out[0][1]:.3f} (step {held_out[0][0]}) → {held_out[-1][1]:.3f} "
                             f"(step {held_out[-1][0]})"))
+    if "train/rolled_back_to_step" in curves.keys:
+        rows.append(("rolled back", rollback_note(curves.history("train/rolled_back_to_step"))))
     stalled = stalled_note(curves, success)
     if stalled:
         rows.append(("stalled", stalled))
@@ -135,9 +138,6 @@ def summary_rows(curves: RunCurves) -> list[tuple[str, str]]:
     if latest is not None:
         rows.append(("newest weights", f"{latest[1]} (version {latest[0]})"))
     return rows
-
-
-STALLED_STEPS = 3  # RL steps in a row that trained nothing before a summary calls the run stalled
 
 
 def stalled_note(curves: RunCurves, success: list[tuple[int, float]]) -> str | None:
@@ -159,6 +159,15 @@ def stalled_note(curves: RunCurves, success: list[tuple[int, float]]) -> str | N
     policy = "the warm start's" if idle == len(success) else f"the one step {success[-idle - 1][0]} trained"
     return (f"nothing trained in the last {idle} RL steps (from step {first_idle}): every group's rewards were "
             f"equal (training success {success[-1][1]:.3f} at the last step), so the policy is still {policy}")
+
+
+def rollback_note(rollbacks: list[tuple[int, float]]) -> str:
+    """Where the driver undid an update that had stalled the run (agentrl/stall.py), from its (step, restored RL step)
+    metric."""
+    back = [f"at step {step} to {'RL step %d' % restored if restored else 'the warm start'}'s policy"
+            for step, restored in rollbacks]
+    return (f"{'; '.join(back)}: {'each time ' if len(back) > 1 else ''}its last {STALLED_STEPS} RL steps trained no "
+            f"group (every group's rewards equal) and their success rate had fallen since the update before them")
 
 
 def summary_html(curves: RunCurves) -> str:

@@ -5,10 +5,11 @@
 
 Each seed is a full `agentrl train` of the config (SFT warm start, then RL) with `seed=S model.seed=S` (the tasks and
 sampling, and the fresh model's initial weights) in a run directory of its own, in a process of its own, as a user
-runs it; extra key=value arguments go to every run. Per seed: the training
-success rate's mean over the first and the last five RL steps (sampled, temperature 1), the held-out greedy success
-before RL (step 0, right after the warm start) and after it (the last step), the SFT steps the warm start took, and
-the run's wall time. The last rows are the mean and the smallest rise over the seeds, and each seed's curve. Issue 24's goal: every seed
+runs it; extra key=value arguments go to every run. Per seed: the training success rate's mean over the first and
+the last five RL steps (sampled, temperature 1), the held-out greedy success before RL (step 0, right after the warm
+start) and after it (the last step), the SFT steps the warm start took, the rollbacks the driver made (agentrl/
+stall.py) and the run's wall time. The last rows are the mean and the smallest rise over the seeds, and each seed's
+curve. Issue 24's goal: every seed
 ≥ +15 points, the mean ≥ +20, held-out after ≥ before + 10 on every seed.
 
 `--warm-starts ROOT` measures an RL lever without paying for SFT again: each seed's RL starts from the weights its
@@ -59,8 +60,10 @@ def run_seed(config: str, seed: int, root: str, overrides: list[str], window: in
     start, end = start_and_end(success, window)
     held_out = read_metric_history(run_dir, "eval/success_rate")
     sft_steps = read_metric_history(run_dir, "sft/steps_run")
+    rollbacks = read_metric_history(run_dir, "train/rolled_back_to_step")  # agentrl/stall.py
     return {"start": start, "end": end, "before": held_out[0][1], "after": held_out[-1][1],
             "sft_steps": sft_steps[-1][1] if sft_steps else 0, "wall": wall,
+            "rollbacks": ", ".join(f"{s} → {r:.0f}" for s, r in rollbacks) or "—",
             "curve": [value for _, value in success]}
 
 
@@ -87,11 +90,12 @@ def main() -> None:
     print(f"\n{args.config} {' '.join(args.overrides)}, runs in {root}\n")
     w = args.window
     print(f"| seed | RL success, first {w} → last {w} steps | rise (points) | held-out greedy, before → "
-          f"after RL | SFT steps | wall time (min) |")
-    print("|---:|---|---:|---|---:|---:|")
+          f"after RL | SFT steps | rollbacks (at step → to step) | wall time (min) |")
+    print("|---:|---|---:|---|---:|---|---:|")
     for seed, r in rows.items():
         print(f"| {seed} | {r['start']:.3f} → {r['end']:.3f} | {100 * (r['end'] - r['start']):+.1f} | "
-              f"{r['before']:.3f} → {r['after']:.3f} | {r['sft_steps']:.0f} | {r['wall'] / 60:.1f} |")
+              f"{r['before']:.3f} → {r['after']:.3f} | {r['sft_steps']:.0f} | {r['rollbacks']} | "
+              f"{r['wall'] / 60:.1f} |")
     rises = [100 * (r["end"] - r["start"]) for r in rows.values()]
     gains = [100 * (r["after"] - r["before"]) for r in rows.values()]
     print(f"\nrise: mean {statistics.mean(rises):+.1f}, smallest {min(rises):+.1f} points; held-out gain: mean "

@@ -74,6 +74,11 @@ class TrainerGroup:
         """Restores the newest (or `path`'s) checkpoint; returns the client state saved with it."""
         return self._on_all("load_checkpoint", path)
 
+    def roll_back(self) -> dict:
+        """Restores the checkpoint before the last update as the next policy version (PolicyTrainer.roll_back);
+        returns the client state saved with it."""
+        return self._on_all("roll_back")
+
     def set_lr(self, lr: float) -> None:
         self._on_all("set_lr", lr)
 

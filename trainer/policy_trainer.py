@@ -395,6 +395,20 @@ class PolicyTrainer:
             self.reference_reset = True
         return state
 
+    def roll_back(self) -> dict:
+        """Restores the newest checkpoint saved before the current weights' last update (model, optimizer state, QB
+        biases) and returns its client state; the step and version count on, so the restored weights are the next
+        policy version for the engines. The driver's undo of an update that stalled the run (agentrl/stall.py)."""
+        root = os.path.join(self.config.run_dir, CHECKPOINT_DIR)
+        older = [n for n in checkpoint_steps(root) if n < self.global_step]
+        if not older:
+            raise FileNotFoundError(f"no checkpoint under {root} from before step {self.global_step} to roll back to "
+                                    f"(trainer.keep_checkpoints={self.config.keep_checkpoints} keeps too few)")
+        global_step, version = self.global_step, self.version
+        state = self.load_checkpoint(os.path.join(root, f"step{max(older)}"))
+        self.global_step, self.version = global_step, version + 1
+        return state
+
     def close(self) -> None:
         """Leaves the process group (the engine is unusable afterwards) and frees the weight-sync buffers."""
         if self._buckets is not None:
@@ -519,15 +533,22 @@ def prune_checkpoints(root: str, *, keep: int) -> list[str]:
     deleted directories. Called after every rank has finished its save, so the newest is complete."""
     import shutil
 
-    steps = sorted((int(name[4:]), name) for name in os.listdir(root)
-                   if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(root, name)))
+    steps = [f"step{n}" for n in checkpoint_steps(root)]
     latest = _read_latest(root) if os.path.exists(os.path.join(root, "latest")) else None
     deleted = []
-    for _, name in steps[:-keep]:
+    for name in steps[:-keep]:
         if name != latest:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             deleted.append(os.path.join(root, name))
     return deleted
+
+
+def checkpoint_steps(root: str) -> list[int]:
+    """The steps N of the `step{N}` checkpoint directories under `root`, in increasing order."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(name[4:]) for name in os.listdir(root)
+                  if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(root, name)))
 
 
 def _read_latest(root: str) -> str:

@@ -78,3 +78,30 @@ def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypa
         # test_trainer_context_parallel's)
         assert all(tokens > 0 for _, tokens in metric_history(run_dir, "train/packed_tokens"))
 
+
+
+def test_a_stalled_run_goes_back_to_the_checkpoint_before_the_update(tmp_path, ray_session, monkeypatch):
+    """The driver's rollback (agentrl/stall.py) end to end: told at RL step 2 that the run stalled (when it does is
+    StallWatch's rule, tests/unit/test_stall.py), it restores the checkpoint saved before step 2's update into the
+    trainer and the engines as a new policy version, and the next step samples with it."""
+    from agentrl import driver
+    from agentrl.driver import run_job
+    from agentrl.report import RunCurves, summary_rows
+
+    seen: list[int] = []
+
+    def observe(self, trained_groups, success):
+        seen.append(trained_groups)
+        return len(seen) == 2
+
+    monkeypatch.setattr(driver.StallWatch, "observe", observe)
+    run_dir = str(tmp_path / "rollback")
+    job, resolved = load_config("configs/quickstart.yaml", SHORT + [f"run_dir={run_dir}", "algorithm.steps=3"])
+    final = run_job(job, resolved)
+    assert seen == [2, 2, 2]  # every step trained its two groups (skip_uniform_groups=false)
+    assert metric_history(run_dir, "train/rolled_back_to_step") == [(2, 1.0)]
+    # two SFT steps and RL steps 1 and 2 make versions 3 and 4; the restored weights are version 5, step 3's update 6
+    assert dict(metric_history(run_dir, "policy_version")) == {1: 3.0, 2: 5.0, 3: 6.0}
+    assert dict(metric_history(run_dir, "rollout/submitted_version"))[3] == 5.0
+    assert final["policy_version"] == 6
+    assert dict(summary_rows(RunCurves(run_dir)))["rolled back"].startswith("at step 2 to RL step 1's policy")

@@ -100,7 +100,9 @@ def test_a_step_that_trained_nothing_or_skipped_its_update_says_so(caplog):
         progress.report(3, {"rollout/reward_mean": 0.5, "rollout/success_rate": 0.5, "train/optimizer_steps": 1,
                             "train/optimizer_steps_skipped": 1},
                         GroupReport(asked=4, trained=4, uniform=0, short=0, stale=0, failed=0, waiting=False), "", 12.0)
-    first, second, third = caplog.records
+        progress.report(4, {"rollout/reward_mean": 0.0, "rollout/success_rate": 0.0, "train/rolled_back_to_step": 2},
+                        uniform, "", 12.0)
+    first, second, third, fourth = caplog.records
     assert first.levelno == logging.WARNING and first.getMessage().startswith("step 1/10: reward 0.000")
     assert "trained 0/4 groups (4 uniform)" in first.getMessage()
     assert first.getMessage().endswith("nothing trained: the policy did not change this step")
@@ -111,6 +113,8 @@ def test_a_step_that_trained_nothing_or_skipped_its_update_says_so(caplog):
     assert third.levelno == logging.WARNING
     assert "trained 4/4 groups | 1 of 1 optimizer step(s) skipped: the gradient held inf or NaN | 12s" in \
         third.getMessage()
+    # a rollback changed the policy though nothing trained (agentrl/stall.py)
+    assert fourth.levelno == logging.WARNING and fourth.getMessage().endswith("| rolled back to RL step 2's policy")
 
 
 def test_failed_episodes_are_resampled_into_their_groups_and_the_store_takes_them(tmp_path):

@@ -111,3 +111,21 @@ def test_the_summary_says_when_a_run_stopped_training(run_dir, tmp_path):
     assert rows(_run_that_trains_until(tmp_path, 0))["stalled"].endswith("so the policy is still the warm start's")
     assert "stalled" not in rows(_run_that_trains_until(tmp_path, 8))  # two idle steps: not yet
     assert "stalled" not in rows(run_dir)
+
+
+def test_the_summary_says_where_the_run_rolled_back(tmp_path):
+    """A run the driver rolled back (agentrl/stall.py) names each rollback: the step, and whose policy it restored."""
+    tracker = Tracker(TrackingConfig(experiment="t"), str(tmp_path / "run"))
+    for step in range(1, 11):
+        metrics = {"rollout/success_rate": 0.5, "train/groups_trained": 0 if step in (5, 6, 7) else 9}
+        if step in (7, 9):
+            metrics["train/rolled_back_to_step"] = {7: 4, 9: 0}[step]
+        tracker.log_metrics(metrics, step=step)
+    tracker.finish()
+    rows = dict(summary_rows(RunCurves(str(tmp_path / "run"))))
+    assert rows["rolled back"] == (
+        "at step 7 to RL step 4's policy; at step 9 to the warm start's policy: each time its last 3 RL steps "
+        "trained no group (every group's rewards equal) and their success rate had fallen since the update before "
+        "them")
+    assert "stalled" not in rows  # it trained again after the rollback
+    assert "rolled back" not in dict(summary_rows(RunCurves(_run_that_trains_until(tmp_path, 6))))
