@@ -37,7 +37,7 @@ from agentrl.interrupt import JobInterrupted, StopRequest
 from agentrl.report import duration
 from agentrl.rollout.agent_loop import EpisodeRequest, prefix_cache_stats
 from agentrl.rollout.policy_engine import EngineSpec
-from agentrl.stall import STALLED_STEPS, StallWatch
+from agentrl.stall import STALLED_STEPS, StallWatch, restored_policy
 from agentrl.tracking import Tracker
 from agentrl.trainer.losses import LossConfig
 from agentrl.types import Boundary, EpisodeSummary, Status
@@ -286,11 +286,10 @@ def roll_back(job: JobConfig, trainer, pool, step: int, rollback: int,
         log.warning("step %d: the last %d RL steps trained no group, and the run cannot roll back: %s", step,
                     STALLED_STEPS, first_line(exc))
         return published, None
-    policy = f"RL step {restored}'s" if restored else "the warm start's"
     log.warning("step %d: the last %d RL steps trained no group (every group's rewards equal) and their success rate "
                 "fell below that of the update before them: the policy goes back to %s, and on with new tasks "
-                "(rollback %d of at most %d, algorithm.max_rollbacks)", step, STALLED_STEPS, policy, rollback,
-                job.algorithm.max_rollbacks)
+                "(rollback %d of at most %d, algorithm.max_rollbacks)", step, STALLED_STEPS, restored_policy(restored),
+                rollback, job.algorithm.max_rollbacks)
     return publish(job, trainer, pool), restored
 
 
@@ -370,9 +369,8 @@ class Progress:
                          f"skipped: the gradient held inf or NaN")
         parts.append(f"{step_s:.0f}s" + (f", ETA {duration(left)}" if step < self.last_step else ""))
         if "train/rolled_back_to_step" in metrics:
-            restored = int(metrics["train/rolled_back_to_step"])
             log.warning(" | ".join(parts) + " | rolled back to " +
-                        (f"RL step {restored}'s policy" if restored else "the warm start's policy"))
+                        restored_policy(int(metrics["train/rolled_back_to_step"])))
         elif not groups.trained:
             log.warning(" | ".join(parts) + " | nothing trained: the policy did not change this step")
         elif skipped:

@@ -13,7 +13,7 @@ import html
 import os
 from dataclasses import dataclass
 
-from agentrl.stall import STALLED_STEPS
+from agentrl.stall import STALLED_STEPS, restored_policy
 from agentrl.tracking import RUN_ID_FILE, resolve_tracking_uri, run_page, start_and_end
 
 COLORS = ("#1a73e8", "#e8710a", "#188038", "#d93025", "#9334e6", "#12b5cb", "#f9ab00", "#5f6368")
@@ -164,8 +164,7 @@ def stalled_note(curves: RunCurves, success: list[tuple[int, float]]) -> str | N
 def rollback_note(rollbacks: list[tuple[int, float]]) -> str:
     """Where the driver undid an update that had stalled the run (agentrl/stall.py), from its (step, restored RL step)
     metric."""
-    back = [f"at step {step} to {'RL step %d' % restored if restored else 'the warm start'}'s policy"
-            for step, restored in rollbacks]
+    back = [f"at step {step} to {restored_policy(int(restored))}" for step, restored in rollbacks]
     return (f"{'; '.join(back)}: {'each time ' if len(back) > 1 else ''}its last {STALLED_STEPS} RL steps trained no "
             f"group (every group's rewards equal) and their success rate had fallen since the update before them")
 

@@ -13,6 +13,11 @@ from __future__ import annotations
 STALLED_STEPS = 3  # RL steps in a row that trained no group before a run counts as stalled
 
 
+def restored_policy(rl_step: int) -> str:
+    """How the console, the log and the run summary name the policy a rollback restored (RL step 0: the warm start)."""
+    return f"RL step {rl_step}'s policy" if rl_step else "the warm start's policy"
+
+
 class StallWatch:
     """Fed each RL step's trained groups and sampled success rate; says when the last update stalled the run."""
 

@@ -79,7 +79,6 @@ def test_three_rl_steps_through_every_part(tmp_path, ray_session, mode, monkeypa
         assert all(tokens > 0 for _, tokens in metric_history(run_dir, "train/packed_tokens"))
 
 
-
 def test_a_stalled_run_goes_back_to_the_checkpoint_before_the_update(tmp_path, ray_session, monkeypatch):
     """The driver's rollback (agentrl/stall.py) end to end: told at RL step 2 that the run stalled (when it does is
     StallWatch's rule, tests/unit/test_stall.py), it restores the checkpoint saved before step 2's update into the
