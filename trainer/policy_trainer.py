@@ -179,8 +179,8 @@ class PolicyTrainer:
                 sums.update(out.sums)
                 sums["loss"] += float(out.loss.detach())
                 sums["micro_batches"] += 1
-                if not micro.is_padding:
-                    sums["packed_tokens"] += micro.num_tokens
+                # every rank must sum the same keys: one whose micro-batches are all padding counts 0 tokens
+                sums["packed_tokens"] += 0 if micro.is_padding else micro.num_tokens
             self.engine.step()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))

@@ -29,7 +29,7 @@ and the load ratios are invariant to that uniform doubling.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,11 +124,6 @@ class ExpertBalancer:
         self.range: tuple[float, float] | None = None
         self.last_stats: BalancingStats | None = None  # global statistics of the last completed step
 
-    def _margin_range(self, bias_E: torch.Tensor) -> tuple[float, float]:
-        # s ∈ (0, 1) and α ∈ (min b, 1 + max b), so s − α lies in (−1 − max b, 1 − min b); the bias is identical on
-        # every rank, hence so is the range and the histograms can be summed.
-        return (-1.0 - float(bias_E.max()) - 1e-3, 1.0 - float(bias_E.min()) + 1e-3)
-
     @torch.no_grad()
     def observe(self, scores_TE: torch.Tensor, bias_E: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
         """Adds one forward's router scores (unbiased sigmoid scores) and chosen experts."""
@@ -141,7 +136,7 @@ class ExpertBalancer:
             return
         scores_TE = scores_TE.float()
         if self.range is None:
-            self.range = self._margin_range(bias_E)
+            self.range = _margin_range(float(bias_E.max()), float(bias_E.min()))
         lo, hi = self.range
         margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E.float(), self.top_k)
         bins_TE = ((margins_TE - lo) * (self.num_bins / (hi - lo))).long().clamp_(0, self.num_bins - 1)
@@ -154,40 +149,81 @@ class ExpertBalancer:
         """This rank's statistics since the last update."""
         return None if self.load_E is None else _stats(self.load_E)
 
-    @torch.no_grad()
     def update(self, bias_E: torch.Tensor,
                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Returns the next step's bias and resets the statistics.
+        """Returns the next step's bias and resets the statistics (`update_biases` for this layer alone).
 
-        `all_reduce` sums a tensor across data-parallel ranks in place (e.g. torch.distributed.all_reduce); the
-        histogram and the load counts are packed into one tensor so a step needs one collective per layer.
+        `all_reduce` sums a tensor across data-parallel ranks in place (e.g. torch.distributed.all_reduce).
         """
-        if self.load_E is None or self.method == "none":
-            self.reset()
-            return None
+        return update_biases([self], [bias_E], all_reduce)[0]
+
+    def _packed(self, device: torch.device) -> torch.Tensor:
+        """This step's statistics as one float64 vector ([E·B histogram,] E loads); zeros when nothing was observed,
+        so that a rank that only ran padding micro-batches still joins the step's collective."""
+        size = self.num_experts * (self.num_bins + 1 if self.method == "quantile" else 1)
+        if self.load_E is None:
+            return torch.zeros(size, dtype=torch.float64, device=device)
         if self.method == "quantile":
-            packed = torch.cat([self.hist_EB.reshape(-1), self.load_E])
-        else:
-            packed = self.load_E.clone()
-        if all_reduce is not None:
-            all_reduce(packed)
-        self.last_stats = _stats(packed[-self.num_experts:])
-        if self.method == "quantile":
-            hist_EB = packed[: -self.num_experts].view(self.num_experts, self.num_bins)
-            lo, hi = self.range
-            b_hat_E = -histogram_quantile(hist_EB, lo, hi, 1.0 - self.top_k / self.num_experts)
-            new_bias_E = b_hat_E - b_hat_E.mean()
-        else:
-            load_E = packed[-self.num_experts:]
-            new_bias_E = bias_E.double() - self.sign_rate * torch.sign(load_E - load_E.median())
-        self.reset()
-        return new_bias_E.to(bias_E.dtype)
+            return torch.cat([self.hist_EB.reshape(-1), self.load_E])
+        return self.load_E.clone()
 
     def reset(self) -> None:
         """Forgets what was observed since the last update (last_stats stays)."""
         self.hist_EB = None
         self.load_E = None
         self.range = None
+
+
+@torch.no_grad()
+def update_biases(balancers: Sequence[ExpertBalancer], biases_E: Sequence[torch.Tensor],
+                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+    """Every MoE layer's next selection bias (None where no rank routed a token this step), from one all-reduce of
+    all layers' statistics and one read of their load figures; resets each balancer.
+
+    Per layer this would be a collective and four host syncs, ~60 of each per step at K3's depth. Every rank calls
+    `all_reduce` exactly once per update, with zeros for what it did not observe (a rank whose micro-batches were
+    all padding): ranks that skipped it would pair their next collectives with the wrong tensors.
+    """
+    if len(balancers) != len(biases_E):
+        raise ValueError(f"{len(balancers)} balancers but {len(biases_E)} biases")
+    new_biases: list[torch.Tensor | None] = [None] * len(balancers)
+    active = [i for i, b in enumerate(balancers) if b.method != "none"]
+    for b in balancers:
+        if b.method == "none":
+            b.reset()
+    if not active:
+        return new_biases
+    parts = [balancers[i]._packed(biases_E[i].device) for i in active]
+    packed = torch.cat(parts)
+    if all_reduce is not None:
+        all_reduce(packed)
+    pieces = packed.split([p.numel() for p in parts])
+    loads = [piece[-balancers[i].num_experts:] for i, piece in zip(active, pieces)]
+    # one host read for every layer: total load (zero: nothing routed), max and mean load, and the bias's extremes
+    # (the margin range of a layer this rank did not observe: it depends only on the bias, the same on every rank)
+    figures = torch.stack([torch.stack([load_E.sum(), load_E.max(), load_E.mean(), biases_E[i].max().double(),
+                                        biases_E[i].min().double()]) for i, load_E in zip(active, loads)]).tolist()
+    for i, piece, load_E, (total, most, mean, bias_max, bias_min) in zip(active, pieces, loads, figures):
+        balancer, bias = balancers[i], biases_E[i]
+        lo, hi = balancer.range or _margin_range(bias_max, bias_min)
+        balancer.reset()
+        if total == 0:
+            continue
+        balancer.last_stats = BalancingStats(load_E=load_E.clone(), max_over_mean=most / mean)
+        if balancer.method == "quantile":
+            hist_EB = piece[:-balancer.num_experts].view(balancer.num_experts, balancer.num_bins)
+            b_hat_E = -histogram_quantile(hist_EB, lo, hi, 1.0 - balancer.top_k / balancer.num_experts)
+            new_bias_E = b_hat_E - b_hat_E.mean()
+        else:
+            new_bias_E = bias.double() - balancer.sign_rate * torch.sign(load_E - load_E.median())
+        new_biases[i] = new_bias_E.to(bias.dtype)
+    return new_biases
+
+
+def _margin_range(bias_max: float, bias_min: float) -> tuple[float, float]:
+    """The histogram's range of s − α: s ∈ (0, 1) and α ∈ (min b, 1 + max b), so s − α lies in (−1 − max b, 1 − min b).
+    The bias is identical on every rank, hence so is the range, and the histograms can be summed."""
+    return (-1.0 - bias_max - 1e-3, 1.0 - bias_min + 1e-3)
 
 
 def _stats(load_E: torch.Tensor) -> BalancingStats:

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from agentrl.model import logprob_kernels
 from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
+from agentrl.model.balancing import update_biases
 from agentrl.model.cache import HybridCache
 from agentrl.model.checkpoint import load_checkpoint_tensors, load_state_into, save_checkpoint
 from agentrl.model.config import HybridMoEConfig
@@ -281,11 +282,15 @@ class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
 
     @torch.no_grad()
     def update_expert_bias(self, all_reduce=None) -> dict[str, float]:
-        """Applies each MoE layer's balancer after an optimizer step; returns max/mean expert load per layer."""
+        """Applies every MoE layer's balancer after an optimizer step (one collective for all layers); returns
+        max/mean expert load per layer."""
+        gates = [moe.gate for moe in self.moe_layers]
+        new_biases = update_biases([g.balancer for g in gates], [g.e_score_correction_bias for g in gates], all_reduce)
         loads = {}
-        for layer_id, moe in zip(self.model.moe_layer_ids, self.moe_layers):
-            moe.gate.update_bias(all_reduce)
-            stats = moe.gate.balancer.last_stats
+        for layer_id, gate, new_bias in zip(self.model.moe_layer_ids, gates, new_biases):
+            if new_bias is not None:
+                gate.e_score_correction_bias.copy_(new_bias)
+            stats = gate.balancer.last_stats
             if stats is not None:
                 loads[f"layer{layer_id}"] = stats.max_over_mean
         return loads

@@ -150,6 +150,22 @@ def test_quantile_balancing_keeps_expert_load_flat_on_skewed_data(zero3):
     assert ratios["unbiased"] > 1.5 and ratios["trained"] < 1.2, ratios
 
 
+def test_a_rank_whose_micro_batches_are_all_padding_steps_with_the_others(zero3):
+    """One trajectory for two ranks: rank 1 runs a padding micro-batch and its routers observe nothing. It must still
+    join Quantile Balancing's collective (skipping it paired its next collective with rank 0's and the step failed);
+    both ranks then report the same metrics, expert loads included, and hold the same weights and biases."""
+    group, _ = zero3
+    batch = [make_traj(0, 80, group="alone", rng=np.random.default_rng(4))]
+    metrics = on_all(group, "step", batch)
+    timing = ("step_s", "tokens_per_s")
+    assert {k: v for k, v in metrics[0].items() if k not in timing} == {
+        k: v for k, v in metrics[1].items() if k not in timing}
+    assert metrics[0]["num_sequences"] == 1 and metrics[0]["micro_batches"] == 1
+    assert {f"expert_load/layer{i}" for i in (1, 2, 3)} <= set(metrics[0])  # rank 0's loads, seen by both
+    checks = on_all(group, "replica_checksum")
+    assert checks[0] == checks[1]
+
+
 def test_published_weights_match_the_trainer_and_reproduce_its_logprobs(zero3):
     group, run_dir = zero3
     published = on_all(group, "publish_weights")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from agentrl.model.balancing import ExpertBalancer, count_values, exact_quantile_bias, histogram_quantile
+from agentrl.model.balancing import (ExpertBalancer, count_values, exact_quantile_bias, histogram_quantile,
+                                     update_biases)
 from agentrl.model.config import preset_config
 from agentrl.model.moe import Router, SparseMoE, combine, dispatch, grouped_matmul, sort_by_expert
 
@@ -188,3 +189,59 @@ def test_count_values_equals_bincount(size, n):
     values = torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(size))
     got = count_values(values, n)
     assert got.dtype == torch.long and got.tolist() == torch.bincount(values, minlength=n).tolist()
+
+
+def _observed_balancers(seed: int, methods=("quantile", "sign", "quantile", "none")):
+    """Balancers of a few layers (different methods and expert counts), each having seen one forward's routing."""
+    gen = torch.Generator().manual_seed(seed)
+    balancers, biases = [], []
+    for layer, method in enumerate(methods):
+        num_experts = 12 + 4 * layer
+        scores = torch.sigmoid(torch.randn(500, num_experts, generator=gen) + torch.linspace(-1, 1, num_experts))
+        bias = torch.randn(num_experts, generator=gen) * 0.1
+        balancer = ExpertBalancer(num_experts=num_experts, top_k=3, method=method, num_bins=512, sign_rate=0.01)
+        balancer.observe(scores, bias, (scores + bias).topk(3).indices)
+        balancers.append(balancer)
+        biases.append(bias)
+    return balancers, biases
+
+
+def test_all_layers_update_from_one_collective_as_each_would_alone():
+    balancers, biases = _observed_balancers(0)
+    alone = [b.update(bias) for b, bias in zip(*_observed_balancers(0))]
+    calls = []
+    together = update_biases(balancers, biases, all_reduce=lambda t: calls.append(t.numel()))
+    assert len(calls) == 1 and calls[0] == 12 * 513 + 16 + 20 * 513  # both histograms and three load vectors
+    assert together[3] is None and alone[3] is None  # "none" balances nothing
+    for got, want in zip(together[:3], alone[:3]):
+        torch.testing.assert_close(got, want)
+    assert all(b.load_E is None and b.hist_EB is None for b in balancers)  # reset for the next step
+    assert balancers[0].last_stats.load_E.sum() == 500 * 3
+    # the quantile layers against the exact quantile of their margins
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.sigmoid(torch.randn(500, 12, generator=gen) + torch.linspace(-1, 1, 12))
+    exact = exact_quantile_bias(scores, biases[0], top_k=3)
+    assert (together[0] - exact).abs().max() < 2 * (2.0 + 2 * biases[0].abs().max()) / 512
+
+
+def test_a_rank_that_observed_nothing_still_joins_the_collective_and_gets_the_same_bias():
+    """Rank 1 ran only padding micro-batches: it must all-reduce zeros of the same size (not skip the collective,
+    which would pair its next one with rank 0's) and come out with rank 0's biases."""
+    observed, biases = _observed_balancers(1)
+    idle = [ExpertBalancer(num_experts=b.num_experts, top_k=3, method=b.method, num_bins=512, sign_rate=0.01)
+            for b in observed]
+    from_rank0 = torch.cat([b._packed(torch.device("cpu")) for b in observed if b.method != "none"])
+    sent = []
+
+    def receive_rank0(t):
+        sent.append(t.clone())
+        t.add_(from_rank0)
+
+    got_idle = update_biases(idle, biases, all_reduce=receive_rank0)
+    got_observed = update_biases(observed, biases, all_reduce=lambda t: t.add_(sent[0]))
+    assert len(sent) == 1 and sent[0].shape == from_rank0.shape and not sent[0].any()
+    for a, b in zip(got_idle, got_observed):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert got_idle[0] is not None and got_idle[1] is not None
+    # no rank routed anything: every layer keeps its bias
+    assert update_biases(idle, biases, all_reduce=lambda t: None) == [None] * 4
