@@ -646,6 +646,7 @@ class Variant:
     engine: dict = dataclasses.field(default_factory=dict)  # merged into zero.engine_config's
     balancing: bool = True  # Quantile Balancing's statistics and bias updates
     per_tensor_overflow_check: bool = False  # DeepSpeed's own pass over every gradient (trainer/zero.py drops it)
+    per_tensor_grad_norm: bool = False  # DeepSpeed's norm of one gradient at a time (trainer/zero.py: one pass)
 
 
 TRAINER_VARIANTS = {
@@ -653,6 +654,7 @@ TRAINER_VARIANTS = {
     "zero3": Variant(3),
     "zero2, overlap_comm off": Variant(2, {"zero_optimization": {"overlap_comm": False}}),
     "zero2, per-tensor overflow check": Variant(2, per_tensor_overflow_check=True),
+    "zero2, per-tensor grad norm": Variant(2, per_tensor_grad_norm=True),
     "zero2, contiguous_gradients off": Variant(2, {"zero_optimization": {"contiguous_gradients": False}}),
     "zero2, reduce buckets 1e8": Variant(2, {"zero_optimization": {"reduce_bucket_size": 10**8}}),
     "zero2, no QB": Variant(2, balancing=False),
@@ -712,6 +714,8 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
         zero.engine_config = engine_config
     if variant.per_tensor_overflow_check:
         del trainer.engine.optimizer.check_overflow  # the class's method again
+    if variant.per_tensor_grad_norm:
+        del trainer.engine.optimizer.get_grad_norm_direct
     if not variant.balancing:  # the routers neither observe nor update their biases
         trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
         trainer.policy.update_expert_bias = lambda **kw: {}

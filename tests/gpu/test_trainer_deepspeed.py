@@ -80,6 +80,35 @@ def test_small_preset_deepspeed_step_on_one_gpu(tmp_path):
         trainer.close()
 
 
+def test_the_one_pass_gradient_norm_is_deepspeeds_on_cuda(tmp_path):
+    """The multi-tensor kernel behind trainer/zero.py's ZeRO-2 gradient norm (CUDA's fast path, bf16 gradients
+    accumulated in fp64) gives DeepSpeed's per-tensor norm for every parameter group of the `small` preset."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from agentrl.trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=2), preset_config("small"))
+    optimizer = trainer.engine.optimizer
+    seen = []
+    group_norms = optimizer.scaled_global_norm
+
+    def both(norm_type=2):
+        for i in range(len(optimizer.bit16_groups)):
+            grads, params = optimizer.averaged_gradients[i], optimizer.params_in_partition[i]
+            seen.append((float(optimizer.get_grad_norm_direct(grads, params)),
+                         float(DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params))))
+        return group_norms(norm_type)
+
+    optimizer.scaled_global_norm = both
+    try:
+        assert "get_grad_norm_direct" in vars(optimizer)
+        trainer.step(make_batch(trainer.policy.config.vocab_size))
+    finally:
+        trainer.close()
+    assert seen and all(fused > 0 for fused, _ in seen)
+    assert [fused for fused, _ in seen] == pytest.approx([per for _, per in seen], rel=1e-7)
+
+
 def _zero3_rank(rank: int, world_size: int, port: int, run_dir: str, results) -> None:
     import faulthandler
 

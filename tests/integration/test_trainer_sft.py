@@ -156,3 +156,42 @@ def test_a_step_whose_gradient_is_not_finite_changes_nothing_and_the_next_one_tr
                                before["model.layers.0.self_attn.q_proj.weight"])
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_one_pass_gradient_norm_is_deepspeeds_per_tensor_norm(model_dir, tmp_path, dtype):  # noqa: F811
+    """trainer/zero.py computes ZeRO-2's global gradient norm with one multi-tensor kernel: on the same gradients
+    it gives what DeepSpeed's per-tensor method gives for each parameter group, finite and (one inf in one
+    gradient) the -1 that marks an overflow."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    trainer = one_rank_trainer(model_dir, tmp_path, dtype=dtype)
+    optimizer = trainer.engine.optimizer
+    assert "get_grad_norm_direct" in vars(optimizer)  # the one-pass method stands in for the class's
+    seen = []
+    group_norms = optimizer.scaled_global_norm
+
+    def both(norm_type=2):
+        for i in range(len(optimizer.bit16_groups)):
+            grads, params = optimizer.averaged_gradients[i], optimizer.params_in_partition[i]
+            seen.append((float(optimizer.get_grad_norm_direct(grads, params)),
+                         float(DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params))))
+        return group_norms(norm_type)
+
+    optimizer.scaled_global_norm = both
+    sft = LossConfig(kind="sft")
+    try:
+        batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
+        trainer.step(batch, sft)
+        finite = list(seen)
+        weight = dict(trainer.policy.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+        hook = weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("inf")))
+        trainer.step(batch, sft)
+        hook.remove()
+    finally:
+        trainer.close()
+    assert finite and all(fused > 0 for fused, _ in finite)
+    assert [fused for fused, _ in finite] == pytest.approx([per for _, per in finite], rel=1e-6)
+    poisoned = seen[len(finite):]  # the group that holds the weight: -1 from both; the others agree as before
+    assert [fused for fused, _ in poisoned] == pytest.approx([per for _, per in poisoned], rel=1e-6)
+    assert (-1.0, -1.0) in poisoned
