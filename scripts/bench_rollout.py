@@ -4,10 +4,12 @@
                                     [--worker-process]
 
 Builds the tiny hybrid policy (served by the agentrl vLLM plugin on CPU) and, for each concurrency in `--episodes`
-and each env, runs `--repeats` pairs: the episodes through the agent loop, then exactly the same requests on the
+and each env, runs `--repeats` pairs: the episodes through the agent loop and exactly the same requests on the
 bare engine — every assistant turn's prompt tokens, forced to the same number of sampled tokens, the k-th turns of
-all episodes together — each after emptying the prefix cache. Both share the engine and the machine's load at that
-moment, so their ratio (goal >= 0.95) is read per pair; the table gives the median pair and the range. The bare
+all episodes together — each after emptying the prefix cache; every other pair runs the bare side first (replaying
+the previous pair's episodes), so that an advantage of going first or second cancels. Both share the engine and the
+machine's load at that moment, so their ratio (goal >= 0.95) is read per pair; the table gives the median pair and
+the range. The bare
 replay waits for all k-th turns before the (k+1)-th: it does less scheduling work than the loop but never overlaps
 a turn with another episode's env step.
 
@@ -42,8 +44,20 @@ def requests(env_id: str, kwargs: dict, n: int) -> list[EpisodeRequest]:
                            env_kwargs=kwargs) for i in range(n)]
 
 
+async def run_loop(loop: AgentLoop, asks: list[EpisodeRequest], env_id: str):
+    """The episodes through the agent loop from an empty prefix cache."""
+    await loop.engine.llm.reset_prefix_cache()
+    trajs = await asyncio.gather(*[loop.run(r) for r in asks])
+    failed = [t for t in trajs if t.status == Status.FAILED]
+    if failed:  # a failing env would flatter neither side: stop
+        raise RuntimeError(f"{len(failed)} {env_id} episodes failed, e.g. {failed[0].error}")
+    return trajs
+
+
 async def bare_replay(engine: PolicyEngine, trajs) -> float:
-    """Seconds the bare engine takes for the trajectories' assistant turns, turn by turn."""
+    """Seconds the bare engine takes for the trajectories' assistant turns, turn by turn, from an empty prefix cache
+    (it must not reuse the loop's cached prefixes)."""
+    await engine.llm.reset_prefix_cache()
     turns = [[t for t in traj.turns if t.role == "assistant"] for traj in trajs]
     seconds = 0.0
     for k in range(max(len(x) for x in turns)):
@@ -78,18 +92,22 @@ async def run(args) -> None:
         for env_id in envs:
             asks = requests(env_id, ENVS[env_id](args.turns, most), n)
             pairs = []
-            for _ in range(args.repeats):
-                await engine.llm.reset_prefix_cache()
-                t0 = time.perf_counter()
-                trajs = await asyncio.gather(*[loop.run(r) for r in asks])
-                loop_s = time.perf_counter() - t0
-                failed = [t for t in trajs if t.status == Status.FAILED]
-                if failed:  # a failing env would flatter neither side: stop
-                    raise RuntimeError(f"{len(failed)} {env_id} episodes failed, e.g. {failed[0].error}")
-                await engine.llm.reset_prefix_cache()  # the bare replay must not reuse the loop's cached prefixes
-                bare_s = await bare_replay(engine, trajs)
-                sampled = sum(t.num_sampled for t in trajs)
-                pairs.append((sampled / loop_s, sampled / bare_s, bare_s / loop_s))
+            for repeat in range(args.repeats):
+                # odd pairs run the bare side first (replaying the previous pair's episodes), so that whatever the
+                # order favours cancels in the median; each side's tokens/s counts the tokens it generated
+                if repeat % 2:
+                    bare_tps = sampled / await bare_replay(engine, trajs)
+                    t0 = time.perf_counter()
+                    trajs = await run_loop(loop, asks, env_id)
+                    sampled = sum(t.num_sampled for t in trajs)
+                    loop_tps = sampled / (time.perf_counter() - t0)
+                else:
+                    t0 = time.perf_counter()
+                    trajs = await run_loop(loop, asks, env_id)
+                    sampled = sum(t.num_sampled for t in trajs)
+                    loop_tps = sampled / (time.perf_counter() - t0)
+                    bare_tps = sampled / await bare_replay(engine, trajs)
+                pairs.append((loop_tps, bare_tps, loop_tps / bare_tps))
             ratios = sorted(p[2] for p in pairs)
             mid = sorted(pairs, key=lambda p: p[2])[len(pairs) // 2]
             speed_rows.append([n, env_id, sampled, f"{mid[0]:,.0f}", f"{mid[1]:,.0f}",
