@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.types import Trajectory
+from tests.zero_norms import record_both_norms
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -83,25 +84,11 @@ def test_small_preset_deepspeed_step_on_one_gpu(tmp_path):
 def test_the_one_pass_gradient_norm_is_deepspeeds_on_cuda(tmp_path):
     """The multi-tensor kernel behind trainer/zero.py's ZeRO-2 gradient norm (CUDA's fast path, bf16 gradients
     accumulated in fp64) gives DeepSpeed's per-tensor norm for every parameter group of the `small` preset."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     from agentrl.trainer import PolicyTrainer
 
     trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=2), preset_config("small"))
-    optimizer = trainer.engine.optimizer
-    seen = []
-    group_norms = optimizer.scaled_global_norm
-
-    def both(norm_type=2):
-        for i in range(len(optimizer.bit16_groups)):
-            grads, params = optimizer.averaged_gradients[i], optimizer.params_in_partition[i]
-            seen.append((float(optimizer.get_grad_norm_direct(grads, params)),
-                         float(DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params))))
-        return group_norms(norm_type)
-
-    optimizer.scaled_global_norm = both
     try:
-        assert "get_grad_norm_direct" in vars(optimizer)
+        seen = record_both_norms(trainer.engine.optimizer)
         trainer.step(make_batch(trainer.policy.config.vocab_size))
     finally:
         trainer.close()

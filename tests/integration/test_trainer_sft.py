@@ -8,6 +8,7 @@ import torch
 from agentrl.trainer import LossConfig, PolicyTrainer, TrainerConfig
 from agentrl.types import Trajectory
 from tests.integration.test_trainer import model_dir  # noqa: F401
+from tests.zero_norms import record_both_norms
 
 
 def oracle(i: int, rng: np.random.Generator) -> Trajectory:
@@ -163,24 +164,10 @@ def test_the_one_pass_gradient_norm_is_deepspeeds_per_tensor_norm(model_dir, tmp
     """trainer/zero.py computes ZeRO-2's global gradient norm with one multi-tensor kernel: on the same gradients
     it gives what DeepSpeed's per-tensor method gives for each parameter group, finite and (one inf in one
     gradient) the -1 that marks an overflow."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     trainer = one_rank_trainer(model_dir, tmp_path, dtype=dtype)
-    optimizer = trainer.engine.optimizer
-    assert "get_grad_norm_direct" in vars(optimizer)  # the one-pass method stands in for the class's
-    seen = []
-    group_norms = optimizer.scaled_global_norm
-
-    def both(norm_type=2):
-        for i in range(len(optimizer.bit16_groups)):
-            grads, params = optimizer.averaged_gradients[i], optimizer.params_in_partition[i]
-            seen.append((float(optimizer.get_grad_norm_direct(grads, params)),
-                         float(DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params))))
-        return group_norms(norm_type)
-
-    optimizer.scaled_global_norm = both
     sft = LossConfig(kind="sft")
     try:
+        seen = record_both_norms(trainer.engine.optimizer)
         batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
         trainer.step(batch, sft)
         finite = list(seen)
