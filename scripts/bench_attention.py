@@ -1,55 +1,81 @@
-"""One MLA attention fwd+bwd, packed as the trainer packs: SDPA's cuDNN and memory-efficient backends vs the flash
-varlen kernel with v zero-padded to the qk head dim (what `varlen_causal_attention` runs on CUDA in bf16). One table.
+"""MLA attention fwd+bwd, packed as the trainer packs: FlashAttention-2 with the narrower head dim zero-padded (the
+keys first concatenated from k_nope and the shared k_pe, as `mla_attention` does off the kernels' path) against
+agentrl's Triton kernels that take MLA's head dims as they are (agentrl/model/mla_kernels.py). One table.
 
-The `small` preset's MLA shape (16 heads, q/k head dim 128, v head dim 64, bf16) on CUDA; the output gradient is
-contiguous in [1, H, T, V] (the layout in which cuDNN ran clean, docs/benchmarks.md, issue 8). Median of 4 timed
-runs after 2 warm-up.
+Shapes: the `small` preset's MLA (16 heads, q/k 64+64, v 64) and Kimi Linear 48B's (32 heads, q/k 128+64, v 128),
+bf16, on CUDA. Each cell: median of 4 timed fwd+bwd after 2 warm-ups (the first call autotunes the kernels); TFLOP/s
+count the causal attention's useful FLOPs, 3.5 × 2·Σ L²/2·H·(d_qk + d_v), for both columns (flash's padding is
+work it does, not work the model needs).
 
-    python3 scripts/bench_attention.py
+    python3 scripts/bench_attention.py [--shapes small kimi-linear] [--packings "1 x 32768" ...]
 """
+import argparse
 import os
 import sys
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentrl.model.mla import _flash_varlen_causal_attention, _varlen_causal_attention  # noqa: E402
+from agentrl.model import mla_kernels  # noqa: E402
+from agentrl.model.mla import keys_and_values, varlen_causal_attention  # noqa: E402
+from agentrl.report import markdown_table as table  # noqa: E402
 
-CASES = {"4 x 4095": [4095] * 4,
-         "14 of 127..511": [255, 127, 383, 255, 127, 383, 255, 511, 127, 383, 255, 511, 127, 383],
-         "14 of 511..2047": [1023, 511, 2047, 767, 1023, 511, 2047, 767, 1023, 2047, 767, 1023, 2047, 767],
-         "1 x 32768": [32768], "1 x 131072": [131072]}
-H, E, V = 16, 128, 64
-
-
-def sdpa_only(backend):
-    def attention(*args):
-        with sdpa_kernel([backend]):
-            return _varlen_causal_attention(*args)
-    return attention
+PACKINGS = {"4 x 4095": [4095] * 4,
+            "14 of 127..511": [255, 127, 383, 255, 127, 383, 255, 511, 127, 383, 255, 511, 127, 383],
+            "14 of 511..2047": [1023, 511, 2047, 767, 1023, 511, 2047, 767, 1023, 2047, 767, 1023, 2047, 767],
+            "1 x 32768": [32768], "1 x 131072": [131072]}
+SHAPES = {"small": (16, 64, 64, 64), "kimi-linear": (32, 128, 64, 128)}  # heads, E (nope), P (rope), V
 
 
-cudnn, memory_efficient = sdpa_only(SDPBackend.CUDNN_ATTENTION), sdpa_only(SDPBackend.EFFICIENT_ATTENTION)
-print("| packing | tokens | cuDNN ms | memory-efficient ms | flash varlen, v padded ms | memory-efficient / flash |")
-print("|---|---:|---:|---:|---:|---:|")
-for name, lengths in CASES.items():
-    T = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    q, k = (torch.randn(T, H, E, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    v = torch.randn(T, H, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(1, H, T, V, device="cuda", dtype=torch.bfloat16)[0].transpose(0, 1)  # dO: [1, H, T, V] contiguous
-    row = []
-    for attention in (cudnn, memory_efficient, _flash_varlen_causal_attention):
-        times = []
-        for i in range(6):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            attention(q, k, v, cu, E ** -0.5).backward(g)
-            b.record()
-            torch.cuda.synchronize()
-            if i >= 2:
-                times.append(a.elapsed_time(b))
-        row.append(sorted(times)[len(times) // 2])
-    print(f"| {name} | {T} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | {row[1] / row[2]:.2f} |", flush=True)
+def padded_flash(q, kv, k_pe, cu, scale):
+    k, v = keys_and_values(kv, k_pe, q.shape[-1] - k_pe.shape[-1])
+    return varlen_causal_attention(q, k, v, cu, scale)
+
+
+def median_ms(attention, tensors, grad, cu, scale) -> float:
+    times = []
+    for i in range(6):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        attention(*tensors, cu, scale).backward(grad)
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b))
+    for t in tensors:
+        t.grad = None
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--packings", nargs="+", default=list(PACKINGS), choices=list(PACKINGS))
+    args = parser.parse_args()
+    rows = []
+    for shape in args.shapes:
+        H, E, P, V = SHAPES[shape]
+        for packing in args.packings:
+            lengths = PACKINGS[packing]
+            T = sum(lengths)
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+            q = torch.randn(T, H, E + P, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            kv = torch.randn(T, H, E + V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k_pe = torch.randn(T, P, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn(T, H, V, device="cuda", dtype=torch.bfloat16)
+            flops = 3.5 * 2 * sum(n * n / 2 for n in lengths) * H * (E + P + V)
+            flash = median_ms(padded_flash, (q, kv, k_pe), grad, cu, (E + P) ** -0.5)
+            kernels = median_ms(mla_kernels.mla_causal_attention, (q, kv, k_pe), grad, cu, (E + P) ** -0.5)
+            rows.append([shape, packing, T, f"{flash:.2f}", f"{flops / flash / 1e9:.0f}", f"{kernels:.2f}",
+                         f"{flops / kernels / 1e9:.0f}", f"{flash / kernels:.2f}×"])
+            print(rows[-1], flush=True)
+            del q, kv, k_pe, grad
+            torch.cuda.empty_cache()
+    print(f"\n### MLA attention fwd+bwd, bf16, one {torch.cuda.get_device_name()}\n")
+    print(table(["shape", "packing", "tokens", "flash, padded: ms", "TFLOP/s", "Triton kernels: ms", "TFLOP/s",
+                 "flash / kernels"], rows))
+
+
+if __name__ == "__main__":
+    main()

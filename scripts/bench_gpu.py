@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentrl.model import layers, logprob_kernels  # noqa: E402
+from agentrl.model import layers, logprob_kernels, mla_kernels  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
 from agentrl.net import free_port  # noqa: E402
@@ -246,6 +246,7 @@ MODELS = {
     "agentrl": ("agentrl `small` (K3 layout)", agentrl_small, agentrl_loss, True),
     "unfused": ("agentrl `small`, fla fused kernels off", agentrl_small, agentrl_loss, False),
     "small-torch-head": ("agentrl `small`, log-prob head in PyTorch", agentrl_small, agentrl_loss, "torch-head"),
+    "small-padded-mla": ("agentrl `small`, MLA by flash with padding", agentrl_small, agentrl_loss, "padded-mla"),
     "fla": ("fla KDAForCausalLM", fla_kda, hf_loss, True),
     "fla-hybrid": ("fla KDAForCausalLM + softmax layers 4, 8", fla_hybrid, hf_loss, True),
     "kimi": ("transformers KimiLinearForCausalLM", kimi_linear, hf_loss, True),
@@ -253,6 +254,8 @@ MODELS = {
                        agentrl_loss, True),
     "kimi-linear-4l-torch-head": ("agentrl at Kimi Linear 48B's width, 4 layers, log-prob head in PyTorch",
                                   agentrl_real_width("kimi-linear-4l"), agentrl_loss, "torch-head"),
+    "kimi-linear-4l-padded-mla": ("agentrl at Kimi Linear 48B's width, 4 layers, MLA by flash with padding",
+                                  agentrl_real_width("kimi-linear-4l"), agentrl_loss, "padded-mla"),
     "k3-4l": ("agentrl at K3's width, 4 layers, 64 experts", agentrl_real_width("k3-4l"), agentrl_loss, True),
 }
 
@@ -261,15 +264,18 @@ DEFAULT_MODELS = ["agentrl", "unfused", "fla", "fla-hybrid", "kimi"]  # the real
 
 @contextlib.contextmanager
 def kernels(setting):
-    """The model's fused CUDA kernels for a MODELS entry: True (all, the log-prob head's Triton kernels included:
-    the model's default), False (none: the PyTorch references) or "torch-head" (all but the log-prob head's kernels:
-    what they buy)."""
-    previous = layers.set_fused(setting is not False), logprob_kernels.set_enabled(setting is True)
+    """The model's fused CUDA kernels for a MODELS entry: True (all, the log-prob head's and MLA's Triton kernels
+    included: the model's default), False (none: the PyTorch references), "torch-head" (all but the log-prob head's
+    kernels) or "padded-mla" (all but MLA's kernels: its attention by flash with padding): what each buys."""
+    previous = (layers.set_fused(setting is not False),
+                logprob_kernels.set_enabled(setting not in ("torch-head", False)),
+                mla_kernels.set_enabled(setting not in ("padded-mla", False)))
     try:
         yield
     finally:
         layers.set_fused(previous[0])
         logprob_kernels.set_enabled(previous[1])
+        mla_kernels.set_enabled(previous[2])
 
 
 def bench_throughput(tokens_list=TOKENS, models: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from agentrl.model import context_parallel
+from agentrl.model import context_parallel, mla_kernels
 from agentrl.model.cache import MLAState
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
@@ -89,6 +89,29 @@ def equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     return q, k, v
 
 
+def mla_attention(q_THE: torch.Tensor, kv_THC: torch.Tensor, k_pe_TP: torch.Tensor, cu_seqlens: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """MLA's causal attention over packed sequences from its projections' outputs: q [T, H, E+P], kv_b_proj's
+    [T, H, E+V] (k_nope | v) and the shared k_pe [T, P]. Returns [T, H, V].
+
+    On CUDA in bf16/fp16 with E, P and V powers of two (every preset but the CPU test sizes): the Triton kernels of
+    mla_kernels.py, which take the head dims as they are and the keys in their two parts. Elsewhere the keys are
+    concatenated and `varlen_causal_attention` runs (flash with padding on CUDA): the reference."""
+    nope_dim = q_THE.shape[-1] - k_pe_TP.shape[-1]
+    if mla_kernels.available(q_THE, nope_dim, k_pe_TP.shape[-1], kv_THC.shape[-1] - nope_dim):
+        return mla_kernels.mla_causal_attention(q_THE, kv_THC, k_pe_TP, cu_seqlens, scale)
+    k, v = keys_and_values(kv_THC, k_pe_TP, nope_dim)
+    return varlen_causal_attention(q_THE, k, v, cu_seqlens, scale)
+
+
+def keys_and_values(kv_THC: torch.Tensor, k_pe_TP: torch.Tensor, nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys [T, H, E+P] = [k_nope | k_pe broadcast over heads] and values [T, H, V] from kv_b_proj's output
+    [T, H, E+V] and k_pe [T, P]."""
+    k_nope, v = kv_THC.split([nope_dim, kv_THC.shape[-1] - nope_dim], dim=-1)
+    k_pe = k_pe_TP[:, None, :].expand(-1, kv_THC.shape[1], -1)
+    return torch.cat([k_nope, k_pe], dim=-1), v
+
+
 def _varlen_causal_attention(q_THE: torch.Tensor, k_THE: torch.Tensor, v_THV: torch.Tensor,
                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     num_tokens = q_THE.shape[0]
@@ -135,12 +158,13 @@ class GatedMLA(nn.Module):
                        if config.mla_use_output_gate else None)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
 
+    def _kv(self, latent_LR: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj's output per head, [L, H, E+V]: k_nope | v."""
+        return self.kv_b_proj(latent_LR).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+
     def _expand(self, latent_LR: torch.Tensor, k_pe_LP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [L, H, E+P] and values [L, H, V] from the cached latent."""
-        kv = self.kv_b_proj(latent_LR).view(-1, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_pe = k_pe_LP[:, None, :].expand(-1, self.num_heads, -1)
-        return torch.cat([k_nope, k_pe], dim=-1), v
+        return keys_and_values(self._kv(latent_LR), k_pe_LP, self.nope_dim)
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state: MLAState | None = None,
                 use_cache: bool = False, shard: ContextShard | None = None) -> tuple[torch.Tensor, MLAState | None]:
@@ -160,8 +184,7 @@ class GatedMLA(nn.Module):
             o = context_parallel.prefix_causal_attention(q, k, v, shard.cu_seqlens, shard.key_cu_seqlens, self.scale)
             new_state = None
         elif state is None:
-            k, v = self._expand(latent, k_pe)
-            o = varlen_causal_attention(q, k, v, cu_seqlens, self.scale)
+            o = mla_attention(q, self._kv(latent), k_pe, cu_seqlens, self.scale)
             new_state = None
             if use_cache:
                 bounds = cu_seqlens.tolist()

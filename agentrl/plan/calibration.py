@@ -14,7 +14,10 @@ CALIBRATION_PRESET = "small"
 # 2026-12-01 ("Where the step's time goes ... session 8"). Until then these were 128,253 and 83,420, measured with
 # cuDNN attention, which the model has not used since its backward failed on H200. The 4K figure (36,685) is left
 # out: the host bounds it (kernel launches). Two lengths fit two efficiencies: of the matmul work and of MLA's T²
-# attention (see `timing.calibrated_efficiency`).
+# attention (see `timing.calibrated_efficiency`). Since 2026-12-06 MLA runs agentrl's Triton kernels, which need no
+# padding: on an H100, in one run, they raised these tokens/s 1.14x at 32K and 1.22x at 128K over flash with padding
+# (docs/benchmarks.md, "MLA's attention without padding"). No H200 has measured them yet, so the figures below stay the
+# flash path's: the estimates err slow.
 SMALL_TRAIN_TOKENS_PER_S = {32768: 113_017, 131072: 62_190}
 # In-memory weight sync on one H200 into a second process (CUDA IPC, the receiver reading the sender's tensors): 47% of
 # the device-to-device copy rate at Kimi Linear 48B's widths, 4 layers, 12.85 GB (`bench_gpu.py weight-ipc`,

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
 from agentrl.model.layers import RMSNorm, glu, short_conv
-from agentrl.model.mla import varlen_causal_attention
+from agentrl.model import mla_kernels
+from agentrl.model.mla import mla_attention, varlen_causal_attention
 
 
 def conv_reference(x_TC, w_C1W, prev_CW):
@@ -96,3 +97,38 @@ def test_situ_glu_formula():
     expected = 2.0 * torch.tanh(g / 2.0) * torch.sigmoid(g) * (3.0 * torch.tanh(u / 3.0))
     torch.testing.assert_close(glu(gate_up, "situ", 2.0, 3.0), expected)
     torch.testing.assert_close(glu(gate_up, "silu"), F.silu(g) * u)
+
+
+def test_mla_attention_from_its_parts_equals_attention_over_concatenated_keys():
+    """`mla_attention` takes kv_b_proj's output and the shared k_pe; off the Triton kernels' path (here: a CPU) it
+    concatenates the keys itself. Against attention over [k_nope | k_pe per head] and v, written out per sequence."""
+    torch.manual_seed(0)
+    lengths, H, E, P, V = [5, 1, 30], 3, 8, 4, 6
+    T = sum(lengths)
+    q = torch.randn(T, H, E + P, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(T, H, E + V, dtype=torch.float64, requires_grad=True)
+    k_pe = torch.randn(T, P, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    assert not mla_kernels.available(q, E, P, V)
+    out = mla_attention(q, kv, k_pe, cu, scale=0.3)
+    k = torch.cat([kv[..., :E], k_pe[:, None, :].expand(T, H, P)], dim=-1)
+    refs = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        scores = torch.einsum("thd,shd->hts", q[s:e], k[s:e]) * 0.3
+        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        refs.append(torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1),
+                                 kv[s:e, :, E:]))
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, kv, k_pe), grad), torch.autograd.grad(ref, (q, kv, k_pe), grad)):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)
+
+
+def test_sequence_bounds_of_packed_tokens():
+    """Each token's sequence start and end, what the MLA kernels mask with; empty sequences own no token."""
+    cu = torch.tensor([0, 3, 3, 4, 8])
+    start, end = mla_kernels.sequence_bounds(cu, 8)
+    assert start.tolist() == [0, 0, 0, 3, 4, 4, 4, 4]
+    assert end.tolist() == [3, 3, 3, 4, 8, 8, 8, 8]
+    assert start.dtype == end.dtype == torch.int32

@@ -1,0 +1,347 @@
+"""MLA's causal attention over packed sequences as Triton kernels that take its head dims as they are, on CUDA.
+
+MLA attends with q/k head dim E+P (E = qk_nope_head_dim, P = qk_rope_head_dim) and value head dim V: the `small`
+preset 64+64 / 64, Kimi Linear and K3 128+64 / 128. FlashAttention-2, the one varlen kernel torch ships, takes one
+head dim for q, k and v, so `mla.varlen_causal_attention` zero-pads the narrower side: a quarter of the `small`
+preset's attention FLOPs (256 per score against 192) and a sixth of Kimi Linear's (384 against 320) multiply zeros,
+and the keys are first concatenated from their two parts, [k_nope | k_pe broadcast over heads], into a new
+tensor.
+
+These kernels read the parts where MLA's projections leave them:
+    q     [T, H, E+P]   its columns [0, E) pair with k_nope, [E, E+P) with k_pe
+    kv    [T, H, E+V]   kv_b_proj's output: k_nope = columns [0, E), v = columns [E, E+V)
+and give o [T, H, V]; the backward: ∂q, ∂kv (∂k_nope and ∂v in kv's layout) and ∂k_pe (summed over heads).
+and give o [T, H, V]; the backward gives ∂q, ∂kv (∂k_nope and ∂v in kv's layout) and ∂k_pe (summed over heads).
+Each score is q_nope·k_nope + q_pe·k_pe, two matrix products over E and P columns, so both must be powers of two (and
+V), ≥ 16: every preset but the CPU test sizes.
+
+The algorithm is FlashAttention-2's (an online softmax over key tiles forward; the backward recomputes the
+probabilities from the saved log-sum-exp, one kernel over key tiles for ∂k/∂v and one over query tiles for ∂q, so
+nothing is accumulated atomically and the result is deterministic). Tiles run along the packed token axis and may
+straddle a sequence boundary: each token's sequence start and end (from cu_seqlens, on the GPU, no host sync) mask
+what crosses one. Each program runs its tiles in three ranges so that only the tiles on the diagonal or on a
+sequence start pay for the mask.
+
+`mla.py` keeps FlashAttention-2 with padding (and SDPA off CUDA) as the reference and as the path for other shapes;
+tests/gpu/test_mla_kernels.py compares the two, forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from agentrl.model import layers
+
+__all__ = ["available", "set_enabled", "mla_causal_attention"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_LOG2E = math.log2(math.e)
+
+
+try:  # CPU-only installs have no Triton: `available` says no and mla.py keeps its other paths
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+
+def _kernels():
+    """(cdiv, forward, key_grads, query_grads), or None without Triton."""
+    return None if triton is None else (triton.cdiv, forward, key_grads, query_grads)
+
+
+if triton is not None:
+    # (outer tile, inner tile, warps, stages); under Triton's interpreter (TRITON_INTERPRET=1, checks on a CPU)
+    # one config of small tiles, which has no GPU to autotune on and makes short sequences span several tiles
+    _TILES = ([(32, 16, 4, 1)] if os.environ.get("TRITON_INTERPRET") == "1" else
+              [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 4), (128, 128, 8, 2)])
+
+    def configs(outer: str, inner: str):
+        return [triton.Config({outer: a, inner: b}, num_warps=w, num_stages=s) for a, b, w, s in _TILES]
+
+    @triton.jit
+    def load_rows(base, rows, stride, cols, T):
+        """A [len(rows), len(cols)] tile; rows past T read as 0."""
+        return tl.load(base + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=(rows < T)[:, None],
+                       other=0.0)
+
+    @triton.jit
+    def load_cols(base, rows, stride, cols, T):
+        """The transposed tile, [len(cols), len(rows)]."""
+        return tl.load(base + rows.to(tl.int64)[None, :] * stride + cols[:, None], mask=(rows < T)[None, :],
+                       other=0.0)
+
+    @triton.jit
+    def forward_tiles(acc, l_i, m_i, q_a, q_b, kv, stride_kt, k_pe, stride_pt, rows, row_start, lo, hi, T,
+                      qk_scale, E: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr,
+                      MASK: tl.constexpr):
+        """The online softmax over key tiles starting in [lo, hi) (multiples of BLOCK_N but for hi); `MASK` keeps
+        keys in each row's sequence at or before it."""
+        cols_e, cols_p, cols_v = tl.arange(0, E), tl.arange(0, P), E + tl.arange(0, V)
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            s = tl.dot(q_a, load_cols(kv, keys, stride_kt, cols_e, T))
+            s = tl.dot(q_b, load_cols(k_pe, keys, stride_pt, cols_p, T), s)
+            s = s * qk_scale  # log2 units: the softmax in exp2
+            if MASK:
+                keep = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= row_start[:, None])
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_rows(kv, keys, stride_kt, cols_v, T)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.autotune(configs=configs("BLOCK_M", "BLOCK_N"), key=["E", "P", "V"])
+    @triton.jit
+    def forward(q, stride_qt, stride_qh, kv, stride_kt, stride_kh, k_pe, stride_pt, o, stride_ot, stride_oh,
+                lse, seq_start, T, qk_scale, E: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        first, h = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+        rows = first + tl.arange(0, BLOCK_M)
+        last = tl.minimum(first + BLOCK_M, T) - 1
+        row_start = tl.load(seq_start + rows, mask=rows < T, other=0)
+        q_h, kv_h = q + h.to(tl.int64) * stride_qh, kv + h.to(tl.int64) * stride_kh
+        q_a = load_rows(q_h, rows, stride_qt, tl.arange(0, E), T)
+        q_b = load_rows(q_h, rows, stride_qt, E + tl.arange(0, P), T)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: e^(m − m') of two −inf would be NaN
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, V], tl.float32)
+        # keys from the first row's sequence start to the last row; unmasked where a tile lies after every row's
+        # sequence start and at or before the first row
+        lo = tl.load(seq_start + first) // BLOCK_N * BLOCK_N
+        hi = last + 1
+        full_lo = tl.cdiv(tl.load(seq_start + last), BLOCK_N) * BLOCK_N
+        full_hi = (first + 1) // BLOCK_N * BLOCK_N
+        a = tl.minimum(full_lo, hi)
+        b = tl.maximum(full_hi, a)
+        acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, rows, row_start,
+                                      lo, a, T, qk_scale, E, P, V, BLOCK_N, True)
+        acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, rows, row_start,
+                                      a, b, T, qk_scale, E, P, V, BLOCK_N, False)
+        acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, rows, row_start,
+                                      b, hi, T, qk_scale, E, P, V, BLOCK_N, True)
+        inside = rows < T
+        tl.store(lse + h.to(tl.int64) * T + rows, m_i + tl.math.log2(l_i), mask=inside)
+        out = acc / l_i[:, None]
+        o_h = o + h.to(tl.int64) * stride_oh
+        tl.store(o_h + rows.to(tl.int64)[:, None] * stride_ot + tl.arange(0, V)[None, :],
+                 out.to(o.dtype.element_ty), mask=inside[:, None])
+
+    @triton.jit
+    def key_grad_tiles(dk_a, dk_b, dv, k_a, k_b, v, keys, key_end, q_h, stride_qt, do_h, stride_dt, lse_h,
+                       delta_h, lo, hi, T, qk_scale, E: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+                       BLOCK_M: tl.constexpr, MASK: tl.constexpr):
+        """∂k and ∂v of one key tile from the query tiles starting in [lo, hi), in the transposed form (scores as
+        [keys, queries]); `MASK` keeps queries at or after each key, in its sequence."""
+        for start in range(lo, hi, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            inside = rows < T
+            q_a = load_rows(q_h, rows, stride_qt, tl.arange(0, E), T)
+            q_b = load_rows(q_h, rows, stride_qt, E + tl.arange(0, P), T)
+            lse = tl.load(lse_h + rows, mask=inside, other=0.0)
+            s_t = tl.dot(k_a, tl.trans(q_a))
+            s_t = tl.dot(k_b, tl.trans(q_b), s_t)
+            p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
+            if MASK:
+                keep = (rows[None, :] >= keys[:, None]) & (rows[None, :] < key_end[:, None])
+                p_t = tl.where(keep, p_t, 0.0)
+            do = load_rows(do_h, rows, stride_dt, tl.arange(0, V), T)
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            dp_t = tl.dot(v, tl.trans(do))
+            delta = tl.load(delta_h + rows, mask=inside, other=0.0)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+            dk_a = tl.dot(ds_t, q_a, dk_a)
+            dk_b = tl.dot(ds_t, q_b, dk_b)
+        return dk_a, dk_b, dv
+
+    @triton.autotune(configs=configs("BLOCK_N", "BLOCK_M"), key=["E", "P", "V"])
+    @triton.jit
+    def key_grads(q, stride_qt, stride_qh, kv, stride_kt, stride_kh, k_pe, stride_pt, do, stride_dt, stride_dh,
+                  lse, delta, seq_end, dkv, dk_pe, T, qk_scale, sm_scale, E: tl.constexpr, P: tl.constexpr,
+                  V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """∂k_nope and ∂v (into dkv, kv's layout) and this head's ∂k_pe (dk_pe [H, T, P]) for one key tile."""
+        first, h = tl.program_id(0) * BLOCK_N, tl.program_id(1)
+        keys = first + tl.arange(0, BLOCK_N)
+        last = tl.minimum(first + BLOCK_N, T) - 1
+        key_end = tl.load(seq_end + keys, mask=keys < T, other=0)
+        kv_h = kv + h.to(tl.int64) * stride_kh
+        k_a = load_rows(kv_h, keys, stride_kt, tl.arange(0, E), T)
+        k_b = load_rows(k_pe, keys, stride_pt, tl.arange(0, P), T)
+        v = load_rows(kv_h, keys, stride_kt, E + tl.arange(0, V), T)
+        dk_a = tl.zeros([BLOCK_N, E], tl.float32)
+        dk_b = tl.zeros([BLOCK_N, P], tl.float32)
+        dv = tl.zeros([BLOCK_N, V], tl.float32)
+        q_h, do_h = q + h.to(tl.int64) * stride_qh, do + h.to(tl.int64) * stride_dh
+        lse_h, delta_h = lse + h.to(tl.int64) * T, delta + h.to(tl.int64) * T
+        # queries from the first key to the last key's sequence end; unmasked where a tile lies at or after every
+        # key and before the first key's sequence end
+        lo = first // BLOCK_M * BLOCK_M
+        hi = tl.load(seq_end + last)
+        full_lo = tl.cdiv(last, BLOCK_M) * BLOCK_M
+        full_hi = tl.load(seq_end + first) // BLOCK_M * BLOCK_M
+        a = tl.minimum(full_lo, hi)
+        b = tl.maximum(full_hi, a)
+        dk_a, dk_b, dv = key_grad_tiles(dk_a, dk_b, dv, k_a, k_b, v, keys, key_end, q_h, stride_qt, do_h, stride_dt,
+                                        lse_h, delta_h, lo, a, T, qk_scale, E, P, V, BLOCK_M, True)
+        dk_a, dk_b, dv = key_grad_tiles(dk_a, dk_b, dv, k_a, k_b, v, keys, key_end, q_h, stride_qt, do_h, stride_dt,
+                                        lse_h, delta_h, a, b, T, qk_scale, E, P, V, BLOCK_M, False)
+        dk_a, dk_b, dv = key_grad_tiles(dk_a, dk_b, dv, k_a, k_b, v, keys, key_end, q_h, stride_qt, do_h, stride_dt,
+                                        lse_h, delta_h, b, hi, T, qk_scale, E, P, V, BLOCK_M, True)
+        inside = (keys < T)[:, None]
+        dkv_rows = dkv + h.to(tl.int64) * stride_kh + keys.to(tl.int64)[:, None] * stride_kt
+        tl.store(dkv_rows + tl.arange(0, E)[None, :], (dk_a * sm_scale).to(dkv.dtype.element_ty), mask=inside)
+        tl.store(dkv_rows + E + tl.arange(0, V)[None, :], dv.to(dkv.dtype.element_ty), mask=inside)
+        dpe_rows = dk_pe + (h.to(tl.int64) * T + keys.to(tl.int64))[:, None] * P
+        tl.store(dpe_rows + tl.arange(0, P)[None, :], (dk_b * sm_scale).to(dk_pe.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def query_grad_tiles(dq_a, dq_b, q_a, q_b, do, lse, delta, rows, row_start, kv_h, stride_kt, k_pe, stride_pt,
+                         lo, hi, T, qk_scale, E: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+        """∂q of one query tile from the key tiles starting in [lo, hi); `MASK` as in forward_tiles."""
+        cols_e, cols_p, cols_v = tl.arange(0, E), tl.arange(0, P), E + tl.arange(0, V)
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            k_a_t = load_cols(kv_h, keys, stride_kt, cols_e, T)
+            k_b_t = load_cols(k_pe, keys, stride_pt, cols_p, T)
+            s = tl.dot(q_a, k_a_t)
+            s = tl.dot(q_b, k_b_t, s)
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+            if MASK:
+                keep = (keys[None, :] <= rows[:, None]) & (keys[None, :] >= row_start[:, None])
+                p = tl.where(keep, p, 0.0)
+            dp = tl.dot(do, load_cols(kv_h, keys, stride_kt, cols_v, T))
+            ds = (p * (dp - delta[:, None])).to(q_a.dtype)
+            dq_a = tl.dot(ds, tl.trans(k_a_t), dq_a)
+            dq_b = tl.dot(ds, tl.trans(k_b_t), dq_b)
+        return dq_a, dq_b
+
+    @triton.autotune(configs=configs("BLOCK_M", "BLOCK_N"), key=["E", "P", "V"])
+    @triton.jit
+    def query_grads(q, stride_qt, stride_qh, kv, stride_kt, stride_kh, k_pe, stride_pt, do, stride_dt, stride_dh,
+                    lse, delta, seq_start, dq, T, qk_scale, sm_scale, E: tl.constexpr, P: tl.constexpr,
+                    V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """∂q (dq, q's layout) for one query tile."""
+        first, h = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+        rows = first + tl.arange(0, BLOCK_M)
+        inside = rows < T
+        last = tl.minimum(first + BLOCK_M, T) - 1
+        row_start = tl.load(seq_start + rows, mask=inside, other=0)
+        q_h, kv_h = q + h.to(tl.int64) * stride_qh, kv + h.to(tl.int64) * stride_kh
+        q_a = load_rows(q_h, rows, stride_qt, tl.arange(0, E), T)
+        q_b = load_rows(q_h, rows, stride_qt, E + tl.arange(0, P), T)
+        do_h = do + h.to(tl.int64) * stride_dh
+        d_o = load_rows(do_h, rows, stride_dt, tl.arange(0, V), T)
+        lse_r = tl.load(lse + h.to(tl.int64) * T + rows, mask=inside, other=0.0)
+        delta_r = tl.load(delta + h.to(tl.int64) * T + rows, mask=inside, other=0.0)
+        dq_a = tl.zeros([BLOCK_M, E], tl.float32)
+        dq_b = tl.zeros([BLOCK_M, P], tl.float32)
+        lo = tl.load(seq_start + first) // BLOCK_N * BLOCK_N
+        hi = last + 1
+        full_lo = tl.cdiv(tl.load(seq_start + last), BLOCK_N) * BLOCK_N
+        full_hi = (first + 1) // BLOCK_N * BLOCK_N
+        a = tl.minimum(full_lo, hi)
+        b = tl.maximum(full_hi, a)
+        dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, rows, row_start, kv_h, stride_kt,
+                                      k_pe, stride_pt, lo, a, T, qk_scale, E, P, V, BLOCK_N, True)
+        dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, rows, row_start, kv_h, stride_kt,
+                                      k_pe, stride_pt, a, b, T, qk_scale, E, P, V, BLOCK_N, False)
+        dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, rows, row_start, kv_h, stride_kt,
+                                      k_pe, stride_pt, b, hi, T, qk_scale, E, P, V, BLOCK_N, True)
+        dq_rows = dq + h.to(tl.int64) * stride_qh + rows.to(tl.int64)[:, None] * stride_qt
+        tl.store(dq_rows + tl.arange(0, E)[None, :], (dq_a * sm_scale).to(dq.dtype.element_ty),
+                 mask=inside[:, None])
+        tl.store(dq_rows + E + tl.arange(0, P)[None, :], (dq_b * sm_scale).to(dq.dtype.element_ty),
+                 mask=inside[:, None])
+
+
+
+
+_ENABLED = True
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turns these kernels alone on or off (scripts/bench_attention.py and bench_gpu.py measure what they buy);
+    returns the previous setting. `layers.set_fused(False)` turns them off with every other fused kernel."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, enabled
+    return previous
+
+
+def _power_of_two(n: int) -> bool:
+    return 16 <= n <= 256 and n & (n - 1) == 0
+
+
+def available(q: torch.Tensor, nope_dim: int, pe_dim: int, v_dim: int) -> bool:
+    """Whether the kernels take MLA attention of these head dims on q's device and dtype: CUDA, bf16 or fp16, the
+    fused kernels on, Triton importable, and E, P and V powers of two in [16, 256]."""
+    return (q.is_cuda and q.dtype in _LOW_PRECISION and _ENABLED and layers.fused_enabled()
+            and all(_power_of_two(d) for d in (nope_dim, pe_dim, v_dim)) and _kernels() is not None)
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed token's sequence start and end, int32 [T] each, computed on cu_seqlens' device (no host sync)."""
+    cu = cu_seqlens.to(torch.int32)
+    seq_T = torch.searchsorted(cu[1:], torch.arange(num_tokens, device=cu.device, dtype=torch.int32), right=True)
+    return cu[seq_T].contiguous(), cu[seq_T + 1].contiguous()
+
+
+class _MLAAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, k_pe, cu_seqlens, scale, nope_dim):
+        cdiv, forward, _, _ = _kernels()
+        num_tokens, heads, qk_dim = q.shape
+        pe_dim, v_dim = qk_dim - nope_dim, kv.shape[-1] - nope_dim
+        # contiguous q and kv (as MLA's projections leave them): ∂q and ∂kv are written in the same strides
+        q, kv = q.contiguous(), kv.contiguous()
+        k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+        seq_start, seq_end = sequence_bounds(cu_seqlens, num_tokens)
+        o = q.new_empty(num_tokens, heads, v_dim)
+        lse = q.new_empty(heads, num_tokens, dtype=torch.float32)  # log2 units
+        qk_scale = scale * _LOG2E
+        if num_tokens:
+            forward[lambda meta: (cdiv(num_tokens, meta["BLOCK_M"]), heads)](
+                q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), k_pe, k_pe.stride(0),
+                o, o.stride(0), o.stride(1), lse, seq_start, num_tokens, qk_scale,
+                E=nope_dim, P=pe_dim, V=v_dim)
+        ctx.save_for_backward(q, kv, k_pe, o, lse, seq_start, seq_end)
+        ctx.scale, ctx.nope_dim = scale, nope_dim
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        cdiv, _, key_grads, query_grads = _kernels()
+        q, kv, k_pe, o, lse, seq_start, seq_end = ctx.saved_tensors
+        num_tokens, heads, qk_dim = q.shape
+        nope_dim = ctx.nope_dim
+        pe_dim, v_dim = qk_dim - nope_dim, kv.shape[-1] - nope_dim
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        # Δ = rowsum(∂o ⊙ o), the softmax backward's per-row term, [H, T]
+        delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()
+        dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+        dk_pe_heads = q.new_empty(heads, num_tokens, pe_dim)  # each head's ∂k_pe, summed below
+        qk_scale = ctx.scale * _LOG2E
+        common = (q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), k_pe, k_pe.stride(0),
+                  do, do.stride(0), do.stride(1), lse, delta)
+        if num_tokens:
+            key_grads[lambda meta: (cdiv(num_tokens, meta["BLOCK_N"]), heads)](
+                *common, seq_end, dkv, dk_pe_heads, num_tokens, qk_scale, ctx.scale, E=nope_dim, P=pe_dim, V=v_dim)
+            query_grads[lambda meta: (cdiv(num_tokens, meta["BLOCK_M"]), heads)](
+                *common, seq_start, dq, num_tokens, qk_scale, ctx.scale, E=nope_dim, P=pe_dim, V=v_dim)
+        dk_pe = dk_pe_heads.sum(0, dtype=torch.float32).to(k_pe.dtype)
+        return dq, dkv, dk_pe, None, None, None
+
+
+def mla_causal_attention(q_THE: torch.Tensor, kv_THC: torch.Tensor, k_pe_TP: torch.Tensor,
+                         cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v, causal within each packed sequence, with k = [kv[..., :E] | k_pe] and
+    v = kv[..., E:], E = q's head dim − k_pe's width. Returns o [T, H, V]. Check `available` first."""
+    nope_dim = q_THE.shape[-1] - k_pe_TP.shape[-1]
+    return _MLAAttention.apply(q_THE, kv_THC, k_pe_TP, cu_seqlens, scale, nope_dim)
