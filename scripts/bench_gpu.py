@@ -637,7 +637,9 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
     phases = table(["phase", "host ms (incl. waits)", "calls"],
                    [[e.key, f"{e.cpu_time_total / 1e3:.1f}", e.count] for e in avg
                     if e.key.startswith("phase:") and e.device_type == DeviceType.CPU])
-    head = f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n{phases}"
+    syncs, launches = host_syncs_and_launches(avg)
+    head = (f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms, host syncs {syncs}, "
+            f"kernel launches {launches}\n\n{phases}")
     with open(out, "w") as f:
         f.write(head + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=90)
                 + "\n\n" + avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
@@ -653,6 +655,7 @@ class Variant:
     balancing: bool = True  # Quantile Balancing's statistics and bias updates
     per_tensor_overflow_check: bool = False  # DeepSpeed's own pass over every gradient (trainer/zero.py drops it)
     per_tensor_grad_norm: bool = False  # DeepSpeed's norm of one gradient at a time (trainer/zero.py: one pass)
+    metrics_read_per_value: bool = False  # each loss metric read back as computed (before session 30: ~10 per micro)
 
 
 TRAINER_VARIANTS = {
@@ -664,9 +667,11 @@ TRAINER_VARIANTS = {
     "zero2, contiguous_gradients off": Variant(2, {"zero_optimization": {"contiguous_gradients": False}}),
     "zero2, reduce buckets 1e8": Variant(2, {"zero_optimization": {"reduce_bucket_size": 10**8}}),
     "zero2, no QB": Variant(2, balancing=False),
+    "zero2, metrics read per value": Variant(2, metrics_read_per_value=True),
     "zero3, no overflow check": Variant(3, {"bf16": {"check_grad_overflow": False}}),
     "zero3, all params persistent": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**10}}),
     "zero3, prefetch 2e8": Variant(3, {"zero_optimization": {"stage3_prefetch_bucket_size": 2 * 10**8}}),
+    "zero3, persistence 1e6": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**6}}),
 }
 
 
@@ -722,6 +727,18 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
         del trainer.engine.optimizer.check_overflow  # the class's method again
     if variant.per_tensor_grad_norm:
         del trainer.engine.optimizer.get_grad_norm_direct
+    if variant.metrics_read_per_value:  # this process runs one variant: patching the module is local to it
+        from agentrl.trainer import policy_trainer
+
+        one_pass = policy_trainer.micro_batch_loss
+
+        def read_per_value(*args, **kwargs):
+            out = one_pass(*args, **kwargs)
+            out.sums = {k: float(v) for k, v in out.sums.items()}
+            float(out.loss.detach())
+            return out
+
+        policy_trainer.micro_batch_loss = read_per_value
     if not variant.balancing:  # the routers neither observe nor update their biases
         trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
         trainer.policy.update_expert_bias = lambda **kw: {}

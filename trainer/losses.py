@@ -46,7 +46,7 @@ each sequence's length) removes both of Dr.GRPO's biases.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,10 +123,30 @@ class LossConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LossOutput:
-    """The micro-batch's loss and metric *sums* (add them over micro-batches and ranks; divide by the counts)."""
+    """The micro-batch's loss and metric *sums* (add them over micro-batches and ranks; divide by the counts).
+
+    The sums stay on the loss's device as 0-dim tensors: reading each back would stop the host until the GPU has
+    caught up, ~10 times per micro-batch, in a step the host already bounds at short lengths. `read_sums` reads a
+    whole dict of them in one transfer."""
 
     loss: torch.Tensor
-    sums: dict[str, float]
+    sums: dict[str, torch.Tensor]
+
+    def host_sums(self) -> dict[str, float]:
+        return read_sums(self.sums)
+
+
+def read_sums(sums: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """The values of `sums` (0-dim tensors, on any device, or numbers) as floats, with one copy per device."""
+    out = {k: float(v) for k, v in sums.items() if not isinstance(v, torch.Tensor)}
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for k, v in sums.items():
+        if isinstance(v, torch.Tensor):
+            by_device[v.device].append(k)
+    for keys in by_device.values():
+        values = torch.stack([sums[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+        out.update(zip(keys, values))
+    return {k: out[k] for k in sums}
 
 
 def grpo_advantages(trajectories: Sequence[Trajectory], *, normalize_std: bool) -> list[float | None]:
@@ -164,7 +184,7 @@ def aggregation_weights(num_masked_per_seq: Sequence[int], aggregation: str,
 
 
 def mismatch_correction(pre_T: torch.Tensor, infer_T: torch.Tensor, mask_T: torch.Tensor,
-                        config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                        config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level TIS weights c_t and IcePop keep-mask from m_t = exp(pre_t − infer_t), pre_t the trainer's log-prob
     before the step's first update. Both detached."""
     log_m = pre_T.detach() - infer_T
@@ -176,15 +196,15 @@ def mismatch_correction(pre_T: torch.Tensor, infer_T: torch.Tensor, mask_T: torc
         keep = ((m >= lo) & (m <= hi)).to(m.dtype)
     else:
         keep = ones
-    sums = {"train_infer_abs_logp_diff": float((log_m.abs() * mask_T).sum()),
-            "tis_truncated": float(((m > config.tis_cap) & mask_T).sum()) if config.tis_cap is not None else 0.0,
-            "icepop_masked": float(((keep == 0) & mask_T).sum())}
+    sums = {"train_infer_abs_logp_diff": (log_m.abs() * mask_T).sum(),
+            "tis_truncated": ((m > config.tis_cap) & mask_T).sum() if config.tis_cap is not None else m.new_zeros(()),
+            "icepop_masked": ((keep == 0) & mask_T).sum()}
     return tis, keep, sums
 
 
 def ppo_token_loss(logp_T: torch.Tensor, old_T: torch.Tensor, adv_T: torch.Tensor, weights_T: torch.Tensor,
                    mask_T: torch.Tensor, tis_T: torch.Tensor, keep_T: torch.Tensor, eps_low: float, eps_high: float
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Σ_t w_t · (−c_t · keep_t · min(r_t A_t, clip(r_t, 1−eps_low, 1+eps_high) A_t)), r_t = e^{logp_t − old_t}."""
     ratio = torch.exp(logp_T - old_T)
     unclipped = ratio * adv_T
@@ -193,13 +213,13 @@ def ppo_token_loss(logp_T: torch.Tensor, old_T: torch.Tensor, adv_T: torch.Tenso
     loss = (weights_T * per_token).sum()
     r = ratio.detach()
     is_clipped = ((r > 1.0 + eps_high) & (adv_T > 0)) | ((r < 1.0 - eps_low) & (adv_T < 0))
-    return loss, {"clipped": float((is_clipped & mask_T).sum()), "ratio": float((r * mask_T).sum())}
+    return loss, {"clipped": (is_clipped & mask_T).sum(), "ratio": (r * mask_T).sum()}
 
 
 def gspo_loss(logp_T: torch.Tensor, old_T: torch.Tensor, infer_T: torch.Tensor, adv_T: torch.Tensor,
               weights_T: torch.Tensor, mask_T: torch.Tensor, keep_T: torch.Tensor, seq_T: torch.Tensor,
               num_seqs: int, eps_low: float, eps_high: float, tis_cap: float | None
-              ) -> tuple[torch.Tensor, dict[str, float]]:
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Σ_i W_i · ℓ_i with GSPO's sequence ratio s_i (geometric mean over the kept tokens) and sequence-level TIS."""
     kept = mask_T.to(logp_T.dtype) * keep_T
     count_N = torch.zeros(num_seqs, dtype=logp_T.dtype, device=logp_T.device).index_add_(0, seq_T, kept)
@@ -222,8 +242,7 @@ def gspo_loss(logp_T: torch.Tensor, old_T: torch.Tensor, infer_T: torch.Tensor, 
     loss = (weight_N * per_seq * has_tokens).sum()
     sd = s.detach()
     is_clipped = (((sd > 1.0 + eps_high) & (adv_N > 0)) | ((sd < 1.0 - eps_low) & (adv_N < 0))) & has_tokens
-    return loss, {"clipped_seqs": float(is_clipped.sum()), "sequences": float(has_tokens.sum()),
-                  "seq_ratio": float((sd * has_tokens).sum())}
+    return loss, {"clipped_seqs": is_clipped.sum(), "sequences": has_tokens.sum(), "seq_ratio": (sd * has_tokens).sum()}
 
 
 def k3_kl(logp_T: torch.Tensor, ref_T: torch.Tensor) -> torch.Tensor:
@@ -242,10 +261,10 @@ def policy_loss(*, logp_T: torch.Tensor, entropy_T: torch.Tensor | None, infer_T
     optimizer steps (mini-batches); None: the step makes one, and they are sg(logp_T).
     """
     weights_T = weights_T * mask_T
-    sums: dict[str, float] = {"tokens": float(mask_T.sum())}
+    sums: dict[str, torch.Tensor] = {"tokens": mask_T.sum()}
     if config.kind == "sft":
         loss = -(weights_T * logp_T).sum()
-        sums["nll"] = float(-(logp_T.detach() * mask_T).sum())
+        sums["nll"] = -(logp_T.detach() * mask_T).sum()
     else:
         pre_T = logp_T.detach() if recorded_old_T is None else recorded_old_T
         tis_T, keep_T, mismatch = mismatch_correction(pre_T, infer_T, mask_T, config)
@@ -258,13 +277,13 @@ def policy_loss(*, logp_T: torch.Tensor, entropy_T: torch.Tensor | None, infer_T
             loss, extra = gspo_loss(logp_T, old_T, infer_T, adv_T, weights_T, mask_T, keep_T, seq_T, num_seqs,
                                     config.eps_low, config.eps_high, config.tis_cap)
         sums.update(extra)
-    sums["pg_loss"] = float(loss.detach())
+    sums["pg_loss"] = loss.detach()
     if ref_T is not None and config.kl_coef > 0:
         kl_T = k3_kl(logp_T, ref_T)
         loss = loss + config.kl_coef * (weights_T * kl_T).sum()
-        sums["kl"] = float((kl_T.detach() * mask_T).sum())
+        sums["kl"] = (kl_T.detach() * mask_T).sum()
     if entropy_T is not None:
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * (weights_T * entropy_T).sum()
-        sums["entropy"] = float((entropy_T.detach() * mask_T).sum())
+        sums["entropy"] = (entropy_T.detach() * mask_T).sum()
     return LossOutput(loss=loss, sums=sums)

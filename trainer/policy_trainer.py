@@ -52,7 +52,7 @@ from agentrl.trainer.batching import MicroBatch, context_slice, mini_batch_indic
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
-from agentrl.trainer.losses import LossConfig, grpo_advantages
+from agentrl.trainer.losses import LossConfig, grpo_advantages, read_sums
 from agentrl.trainer.publish import PublishedWeights, write_weights
 from agentrl.trainer.weight_stream import Receivers, SyncRecord, stream_weights
 from agentrl.weight_buckets import BucketRing
@@ -177,7 +177,7 @@ class PolicyTrainer:
                                            device=self.device)
                     self.engine.backward(out.loss * self.world_size)
                 sums.update(out.sums)
-                sums["loss"] += float(out.loss.detach())
+                sums["loss"] += out.loss.detach()  # on the device, like out.sums: read once, below
                 sums["micro_batches"] += 1
                 # every rank must sum the same keys: one whose micro-batches are all padding counts 0 tokens
                 sums["packed_tokens"] += 0 if micro.is_padding else micro.num_tokens
@@ -466,7 +466,8 @@ class PolicyTrainer:
 
     def _sum_over_ranks(self, sums: Counter[str]) -> dict[str, float]:
         keys = sorted(sums)
-        values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+        local = read_sums(sums)  # the device's sums in one transfer
+        values = torch.tensor([local[k] for k in keys], dtype=torch.float64)
         zero.all_reduce_sum(values)
         return dict(zip(keys, values.tolist()))
 

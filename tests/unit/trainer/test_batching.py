@@ -136,12 +136,12 @@ def test_kl_term_uses_the_frozen_reference_forward():
                      aggregation="token-mean")
     config = LossConfig(kl_coef=0.5)
     same = micro_batch_loss(PackedPolicy(model), plan.per_rank[0][0], config, reference=reference)
-    assert same.sums["kl"] == pytest.approx(0.0, abs=1e-9)  # π_θ = π_ref: k3 is exactly zero
+    assert same.host_sums()["kl"] == pytest.approx(0.0, abs=1e-9)  # π_θ = π_ref: k3 is exactly zero
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
     moved = micro_batch_loss(PackedPolicy(model), plan.per_rank[0][0], config, reference=reference)
     without = micro_batch_loss(PackedPolicy(model), plan.per_rank[0][0], LossConfig(kl_coef=0.0), reference=reference)
-    kl_mean = moved.sums["kl"] / moved.sums["tokens"]
+    kl_mean = moved.host_sums()["kl"] / moved.host_sums()["tokens"]
     assert kl_mean > 0.01
     assert moved.loss.item() - without.loss.item() == pytest.approx(0.5 * kl_mean, rel=1e-4)
 
@@ -170,10 +170,10 @@ def test_sft_fits_at_temperature_one_and_rl_at_the_sampling_temperature():
     ppo = LossConfig(kind="ppo")
     with torch.no_grad():
         _, tempered_entropy = plain(*micro.forward_args("cpu"), temperature=0.5)
-    assert micro_batch_loss(hot, micro, ppo).sums["entropy"] == pytest.approx(
+    assert micro_batch_loss(hot, micro, ppo).host_sums()["entropy"] == pytest.approx(
         float((tempered_entropy * micro.loss_mask_T).sum()), rel=1e-5)
-    assert micro_batch_loss(hot, micro, ppo).sums["entropy"] != pytest.approx(
-        micro_batch_loss(plain, micro, ppo).sums["entropy"], rel=1e-3)
+    assert micro_batch_loss(hot, micro, ppo).host_sums()["entropy"] != pytest.approx(
+        micro_batch_loss(plain, micro, ppo).host_sums()["entropy"], rel=1e-3)
 
 
 def test_mini_batches_hold_whole_groups_and_lose_no_trajectory():

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from agentrl.trainer.losses import (LossConfig, aggregation_weights, grpo_advantages, k3_kl, policy_loss)
+from agentrl.trainer.losses import (LossConfig, aggregation_weights, grpo_advantages, k3_kl, policy_loss,
+                                    read_sums)
 from agentrl.types import Status, Trajectory
 
 # A toy micro-batch: two sequences (tokens 0-2 and 3-5); token 2 is a prompt token (not trained).
@@ -43,14 +44,14 @@ def test_token_level_grpo_against_the_behaviour_policy_with_clip_higher():
     assert grad == pytest.approx(want_grad, abs=1e-12)
     # token 0: r = e^0.3 > 1.28 with A > 0 → clipped; token 3: r = e^0.7 with A < 0 → not; token 5: r = e^-0.6
     # < 0.8 with A < 0 → clipped
-    assert clipped == 2 and out.sums["clipped"] == 2 and out.sums["tokens"] == 5
+    assert clipped == 2 and out.host_sums()["clipped"] == 2 and out.host_sums()["tokens"] == 5
 
 
 def test_on_policy_grpo_is_the_plain_policy_gradient():
     out, grad = run(LossConfig(old_logprobs="current"))
     assert out.loss.item() == pytest.approx(-sum(w * m * a for w, m, a in zip(W, MASK, ADV)), abs=1e-12)
     assert grad == pytest.approx([-w * m * a for w, m, a in zip(W, MASK, ADV)], abs=1e-12)
-    assert out.sums["clipped"] == 0
+    assert out.host_sums()["clipped"] == 0
 
 
 def test_a_recorded_old_policy_is_pi_old_of_the_ratio_and_of_the_mismatch():
@@ -68,9 +69,9 @@ def test_a_recorded_old_policy_is_pi_old_of_the_ratio_and_of_the_mismatch():
         want_grad.append(0.0 if (not m or clip < unclipped) else -w * c * a * r)
     assert out.loss.item() == pytest.approx(loss, abs=1e-12)
     assert grad == pytest.approx(want_grad, abs=1e-12)
-    assert out.sums["tis_truncated"] == tis_truncated > 0
+    assert out.host_sums()["tis_truncated"] == tis_truncated > 0
     # token 0: r = e^0.3 > 1.28 with A > 0; token 3: r = e^-0.4 < 0.8 with A < 0
-    assert out.sums["clipped"] == clipped == 2
+    assert out.host_sums()["clipped"] == clipped == 2
     # recorded equal to the forward's own log-probs, it is the one-update step exactly
     same, same_grad = run(LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=cap), old=LOGP)
     plain, plain_grad = run(LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=cap))
@@ -95,7 +96,7 @@ def test_gspo_sequence_ratio_loss_and_gradient():
     assert out.loss.item() == pytest.approx(loss, abs=1e-12)
     assert grad == pytest.approx(want, abs=1e-12)
     # seq 0: s = exp((0.3 − 0.05)/2) ≈ 1.133 > 1.1 with A > 0 → clipped, no gradient; seq 1: s = exp(0.05/3)
-    assert out.sums["clipped_seqs"] == 1 and out.sums["sequences"] == 2
+    assert out.host_sums()["clipped_seqs"] == 1 and out.host_sums()["sequences"] == 2
     assert grad[0] == 0.0 and grad[3] != 0.0
 
 
@@ -110,7 +111,7 @@ def test_truncated_importance_sampling_weights_by_the_capped_mismatch():
         want.append(-w * m * c * a)
     assert out.loss.item() == pytest.approx(loss, abs=1e-12)
     assert grad == pytest.approx(want, abs=1e-12)
-    assert truncated == 1 and out.sums["tis_truncated"] == 1  # token 3: e^0.7 ≈ 2.01 > 1.5
+    assert truncated == 1 and out.host_sums()["tis_truncated"] == 1  # token 3: e^0.7 ≈ 2.01 > 1.5
 
 
 def test_icepop_drops_tokens_outside_the_band():
@@ -120,7 +121,7 @@ def test_icepop_drops_tokens_outside_the_band():
     assert grad == pytest.approx(want, abs=1e-12)
     assert out.loss.item() == pytest.approx(sum(want), abs=1e-12)
     # tokens 0 (e^0.3), 3 (e^0.7) and 5 (e^-0.6) are outside; token 2 is outside too but not trained
-    assert keep == [False, True, True, False, True, False] and out.sums["icepop_masked"] == 3
+    assert keep == [False, True, True, False, True, False] and out.host_sums()["icepop_masked"] == 3
     assert grad[0] == grad[3] == grad[5] == 0.0
 
 
@@ -153,7 +154,7 @@ def test_k3_kl_and_entropy_terms():
     want = [-w * m * a + beta * w * m * (1 - math.exp(r - lp)) for w, m, a, r, lp in zip(W, MASK, ADV, ref, LOGP)]
     assert grad == pytest.approx(want, abs=1e-12)
     assert entropy.grad.tolist() == pytest.approx([-coef * w * m for w, m in zip(W, MASK)], abs=1e-12)
-    assert out.sums["kl"] == pytest.approx(sum(m * k for m, k in zip(MASK, kl)))
+    assert out.host_sums()["kl"] == pytest.approx(sum(m * k for m, k in zip(MASK, kl)))
     assert all(v >= 0 for v in k3_kl(torch.randn(100), torch.randn(100)).tolist())
 
 
@@ -195,3 +196,14 @@ def test_group_advantages_with_and_without_std_and_failed_members():
 def test_config_errors_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "sft"])
+def test_the_loss_leaves_its_sums_on_the_device_and_read_sums_reads_them(kind):
+    """No metric is read back inside the loss (each read would wait for the GPU, ~10 per micro-batch); `read_sums`
+    gives the same floats as reading each one."""
+    out, _ = run(LossConfig(kind=kind, kl_coef=0.1), ref=[x - 0.1 for x in LOGP], entropy=torch.ones(6))
+    assert out.sums and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.sums.values())
+    assert out.host_sums() == {k: float(v) for k, v in out.sums.items()}
+    mixed = {"count": torch.tensor(3), "half": torch.tensor(0.5, dtype=torch.float32), "python": 2, "float": 1.5}
+    assert list(read_sums(mixed).items()) == [("count", 3.0), ("half", 0.5), ("python", 2.0), ("float", 1.5)]
