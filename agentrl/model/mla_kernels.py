@@ -10,8 +10,8 @@ tensor.
 These kernels read the parts where MLA's projections leave them:
     q     [T, H, E+P]   its columns [0, E) pair with k_nope, [E, E+P) with k_pe
     kv    [T, H, E+V]   kv_b_proj's output: k_nope = columns [0, E), v = columns [E, E+V)
+    k_pe  [T, P]        one decoupled key per token, shared by every head
 and give o [T, H, V]; the backward: ∂q, ∂kv (∂k_nope and ∂v in kv's layout) and ∂k_pe (summed over heads).
-and give o [T, H, V]; the backward gives ∂q, ∂kv (∂k_nope and ∂v in kv's layout) and ∂k_pe (summed over heads).
 Each score is q_nope·k_nope + q_pe·k_pe, two matrix products over E and P columns, so both must be powers of two (and
 V), ≥ 16: every preset but the CPU test sizes.
 
@@ -75,6 +75,18 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
+    def key_ranges(seq_start, first, last, BLOCK_N: tl.constexpr):
+        """The key tiles of query rows [first, last]: from the first row's sequence start to the last row, split at
+        a and b: tiles starting in [a, b) lie after every row's sequence start and at or before the first row, and
+        need no mask; [lo, a) and [b, hi) do (a = b when none is whole). Tiles start at multiples of BLOCK_N."""
+        lo = tl.load(seq_start + first) // BLOCK_N * BLOCK_N
+        hi = last + 1
+        full_lo = tl.cdiv(tl.load(seq_start + last), BLOCK_N) * BLOCK_N
+        full_hi = (first + 1) // BLOCK_N * BLOCK_N
+        a = tl.minimum(full_lo, hi)
+        return lo, a, tl.maximum(full_hi, a), hi
+
+    @triton.jit
     def forward_tiles(acc, l_i, m_i, q_a, q_b, kv, stride_kt, k_pe, stride_pt, rows, row_start, lo, hi, T,
                       qk_scale, E: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr,
                       MASK: tl.constexpr):
@@ -113,14 +125,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: e^(m − m') of two −inf would be NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, V], tl.float32)
-        # keys from the first row's sequence start to the last row; unmasked where a tile lies after every row's
-        # sequence start and at or before the first row
-        lo = tl.load(seq_start + first) // BLOCK_N * BLOCK_N
-        hi = last + 1
-        full_lo = tl.cdiv(tl.load(seq_start + last), BLOCK_N) * BLOCK_N
-        full_hi = (first + 1) // BLOCK_N * BLOCK_N
-        a = tl.minimum(full_lo, hi)
-        b = tl.maximum(full_hi, a)
+        lo, a, b, hi = key_ranges(seq_start, first, last, BLOCK_N)
         acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, rows, row_start,
                                       lo, a, T, qk_scale, E, P, V, BLOCK_N, True)
         acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, rows, row_start,
@@ -243,12 +248,7 @@ if triton is not None:
         delta_r = tl.load(delta + h.to(tl.int64) * T + rows, mask=inside, other=0.0)
         dq_a = tl.zeros([BLOCK_M, E], tl.float32)
         dq_b = tl.zeros([BLOCK_M, P], tl.float32)
-        lo = tl.load(seq_start + first) // BLOCK_N * BLOCK_N
-        hi = last + 1
-        full_lo = tl.cdiv(tl.load(seq_start + last), BLOCK_N) * BLOCK_N
-        full_hi = (first + 1) // BLOCK_N * BLOCK_N
-        a = tl.minimum(full_lo, hi)
-        b = tl.maximum(full_hi, a)
+        lo, a, b, hi = key_ranges(seq_start, first, last, BLOCK_N)
         dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, rows, row_start, kv_h, stride_kt,
                                       k_pe, stride_pt, lo, a, T, qk_scale, E, P, V, BLOCK_N, True)
         dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, rows, row_start, kv_h, stride_kt,
