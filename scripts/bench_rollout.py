@@ -95,17 +95,14 @@ async def run(args) -> None:
             for repeat in range(args.repeats):
                 # odd pairs run the bare side first (replaying the previous pair's episodes), so that whatever the
                 # order favours cancels in the median; each side's tokens/s counts the tokens it generated
-                if repeat % 2:
+                bare_first = repeat % 2 == 1
+                if bare_first:
                     bare_tps = sampled / await bare_replay(engine, trajs)
-                    t0 = time.perf_counter()
-                    trajs = await run_loop(loop, asks, env_id)
-                    sampled = sum(t.num_sampled for t in trajs)
-                    loop_tps = sampled / (time.perf_counter() - t0)
-                else:
-                    t0 = time.perf_counter()
-                    trajs = await run_loop(loop, asks, env_id)
-                    sampled = sum(t.num_sampled for t in trajs)
-                    loop_tps = sampled / (time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                trajs = await run_loop(loop, asks, env_id)
+                sampled = sum(t.num_sampled for t in trajs)
+                loop_tps = sampled / (time.perf_counter() - t0)
+                if not bare_first:
                     bare_tps = sampled / await bare_replay(engine, trajs)
                 pairs.append((loop_tps, bare_tps, loop_tps / bare_tps))
             ratios = sorted(p[2] for p in pairs)

@@ -37,6 +37,16 @@ def test_short_conv_matches_conv1d_per_sequence_with_state():
                                    rtol=1e-5)
 
 
+def per_sequence_attention(q, k, v, cu, scale):
+    """Causal softmax attention written out for each packed sequence: the naive reference."""
+    refs = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        scores = torch.einsum("thd,shd->hts", q[s:e], k[s:e]) * scale
+        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        refs.append(torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1), v[s:e]))
+    return torch.cat(refs)
+
+
 @pytest.mark.parametrize("lengths", [[3, 1, 12], [127, 255, 640, 1, 300], [40]])  # masked, per-sequence, one
 def test_varlen_attention_equals_per_sequence_attention(lengths):
     torch.manual_seed(0)
@@ -45,12 +55,7 @@ def test_varlen_attention_equals_per_sequence_attention(lengths):
     v = torch.randn(T, 2, 5, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     out = varlen_causal_attention(q, k, v, cu, scale=0.3)
-    refs = []
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        scores = torch.einsum("thd,shd->hts", q[s:e], k[s:e]) * 0.3
-        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-        refs.append(torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1), v[s:e]))
-    ref = torch.cat(refs)
+    ref = per_sequence_attention(q, k, v, cu, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -112,13 +117,7 @@ def test_mla_attention_from_its_parts_equals_attention_over_concatenated_keys():
     assert not mla_kernels.available(q, E, P, V)
     out = mla_attention(q, kv, k_pe, cu, scale=0.3)
     k = torch.cat([kv[..., :E], k_pe[:, None, :].expand(T, H, P)], dim=-1)
-    refs = []
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        scores = torch.einsum("thd,shd->hts", q[s:e], k[s:e]) * 0.3
-        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-        refs.append(torch.einsum("hts,shv->thv", scores.masked_fill(~mask, float("-inf")).softmax(-1),
-                                 kv[s:e, :, E:]))
-    ref = torch.cat(refs)
+    ref = per_sequence_attention(q, k, kv[..., E:], cu, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, kv, k_pe), grad), torch.autograd.grad(ref, (q, kv, k_pe), grad)):
