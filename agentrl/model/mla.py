@@ -89,19 +89,24 @@ def equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     return q, k, v
 
 
-def mla_attention(q_THE: torch.Tensor, kv_THC: torch.Tensor, k_pe_TP: torch.Tensor, cu_seqlens: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+def mla_attention(q_THE: torch.Tensor, kv_SHC: torch.Tensor, k_pe_SP: torch.Tensor, cu_seqlens: torch.Tensor,
+                  scale: float, key_cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """MLA's causal attention over packed sequences from its projections' outputs: q [T, H, E+P], kv_b_proj's
-    [T, H, E+V] (k_nope | v) and the shared k_pe [T, P]. Returns [T, H, V].
+    [S, H, E+V] (k_nope | v) and the shared k_pe [S, P]. Returns [T, H, V]. Without `key_cu_seqlens` the keys are
+    the queries' own tokens (S = T); with it, context parallelism's pieces: each sequence's keys from its start, the
+    queries at their end (`context_parallel.prefix_causal_attention`).
 
     On CUDA in bf16/fp16 with E, P and V powers of two (every preset but the CPU test sizes): the Triton kernels of
     mla_kernels.py, which take the head dims as they are and the keys in their two parts. Elsewhere the keys are
-    concatenated and `varlen_causal_attention` runs (flash with padding on CUDA): the reference."""
-    nope_dim = q_THE.shape[-1] - k_pe_TP.shape[-1]
-    if mla_kernels.available(q_THE, nope_dim, k_pe_TP.shape[-1], kv_THC.shape[-1] - nope_dim):
-        return mla_kernels.mla_causal_attention(q_THE, kv_THC, k_pe_TP, cu_seqlens, scale)
-    k, v = keys_and_values(kv_THC, k_pe_TP, nope_dim)
-    return varlen_causal_attention(q_THE, k, v, cu_seqlens, scale)
+    concatenated and `varlen_causal_attention` or `prefix_causal_attention` runs (flash with padding on CUDA): the
+    reference."""
+    nope_dim = q_THE.shape[-1] - k_pe_SP.shape[-1]
+    if mla_kernels.available(q_THE, nope_dim, k_pe_SP.shape[-1], kv_SHC.shape[-1] - nope_dim):
+        return mla_kernels.mla_causal_attention(q_THE, kv_SHC, k_pe_SP, cu_seqlens, scale, key_cu_seqlens)
+    k, v = keys_and_values(kv_SHC, k_pe_SP, nope_dim)
+    if key_cu_seqlens is None:
+        return varlen_causal_attention(q_THE, k, v, cu_seqlens, scale)
+    return context_parallel.prefix_causal_attention(q_THE, k, v, cu_seqlens, key_cu_seqlens, scale)
 
 
 def keys_and_values(kv_THC: torch.Tensor, k_pe_TP: torch.Tensor, nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +185,9 @@ class GatedMLA(nn.Module):
             if state is not None or use_cache:
                 raise ValueError("context parallelism is for training: no decoding cache")
             compressed = context_parallel.gather(torch.cat([latent, k_pe], dim=-1), shard)[shard.key_lo:shard.hi]
-            k, v = self._expand(*compressed.split([self.kv_rank, self.pe_dim], dim=-1))
-            o = context_parallel.prefix_causal_attention(q, k, v, shard.cu_seqlens, shard.key_cu_seqlens, self.scale)
+            latent_S, k_pe_S = compressed.split([self.kv_rank, self.pe_dim], dim=-1)
+            o = mla_attention(q, self._kv(latent_S), k_pe_S, shard.cu_seqlens, self.scale,
+                              key_cu_seqlens=shard.key_cu_seqlens)
             new_state = None
         elif state is None:
             o = mla_attention(q, self._kv(latent), k_pe, cu_seqlens, self.scale)

@@ -12,6 +12,7 @@ import torch
 
 from agentrl.model import layers, mla_kernels
 from agentrl.model.config import preset_config
+from agentrl.model.context_parallel import prefix_causal_attention
 from agentrl.model.mla import GatedMLA, keys_and_values, varlen_causal_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or mla_kernels._kernels() is None,
@@ -27,28 +28,38 @@ def rel(got, ref):
     return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def inputs(lengths, dims, heads=4, dtype=torch.bfloat16, seed=0):
+def offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+
+
+def inputs(lengths, dims, heads=4, dtype=torch.bfloat16, seed=0, key_lengths=None):
+    """q, kv and k_pe's source for packed sequences of `lengths` queries, and of `key_lengths` keys when these run
+    further back (context parallelism's pieces), the output gradient, and the offsets (cu_q, cu_k)."""
     E, P, V = dims
-    T = sum(lengths)
+    T, S = sum(lengths), sum(key_lengths or lengths)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(T, heads, E + P, device="cuda", generator=g)
-    kv = torch.randn(T, heads, E + V, device="cuda", generator=g)
-    latent = torch.randn(T, 32 + P, device="cuda", generator=g)  # k_pe as MLA leaves it: a column slice
+    kv = torch.randn(S, heads, E + V, device="cuda", generator=g)
+    latent = torch.randn(S, 32 + P, device="cuda", generator=g)  # k_pe as MLA leaves it: a column slice
     grad = torch.randn(T, heads, V, device="cuda", generator=g)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    return [t.to(dtype).requires_grad_() for t in (q, kv, latent)], grad.to(dtype), cu
+    cu_q = offsets(lengths)
+    cu_k = cu_q if key_lengths is None else offsets(key_lengths)
+    return [t.to(dtype).requires_grad_() for t in (q, kv, latent)], grad.to(dtype), (cu_q, cu_k)
 
 
 def run(path, q, kv, latent, grad, cu):
-    """(o, ∂q, ∂kv, ∂latent) of one path: "kernels", "flash" (the reference) or "fp64" (SDPA's math, fp64)."""
+    """(o, ∂q, ∂kv, ∂latent) of one path: "kernels", "flash" (the reference) or "fp64" (SDPA's math, fp64).
+    `cu`: (cu_q, cu_k), or one tensor for both."""
+    cu_q, cu_k = cu if isinstance(cu, tuple) else (cu, cu)
     E = q.shape[-1] - (latent.shape[-1] - 32)
     k_pe = latent[:, 32:]
     scale = q.shape[-1] ** -0.5
     if path == "kernels":
-        o = mla_kernels.mla_causal_attention(q, kv, k_pe, cu, scale)
+        o = mla_kernels.mla_causal_attention(q, kv, k_pe, cu_q, scale, key_cu_seqlens=cu_k)
     else:
         k, v = keys_and_values(kv, k_pe, E)
-        o = varlen_causal_attention(q, k, v, cu, scale)
+        o = (varlen_causal_attention(q, k, v, cu_q, scale) if cu_k is cu_q
+             else prefix_causal_attention(q, k, v, cu_q, cu_k, scale))
     o.backward(grad)
     out = [o.detach(), q.grad, kv.grad, latent.grad]
     for t in (q, kv, latent):
@@ -70,12 +81,30 @@ def test_kernels_match_fp64_as_closely_as_flash(dims, packing):
         assert rel(got, fp64) <= 1.5 * rel(ref, fp64) + 1e-3, (name, rel(got, fp64), rel(ref, fp64))
 
 
+# context parallelism's pieces: each sequence's queries are the last of its keys. A rank's layout (the first
+# sequence begun on an earlier rank, the others starting here) and a general one (every sequence its own prefix).
+PREFIXES = {"rank": ([120, 700, 1, 64], [380, 700, 1, 64]), "general": ([120, 1024, 1], [300, 1024, 77])}
+
+
+@pytest.mark.parametrize("dims", sorted(DIMS))
+@pytest.mark.parametrize("layout", sorted(PREFIXES))
+def test_prefix_attention_matches_fp64_as_closely_as_flash(dims, layout):
+    queries, keys = PREFIXES[layout]
+    tensors, grad, cu = inputs(queries, DIMS[dims], key_lengths=keys)
+    kernels = run("kernels", *tensors, grad, cu)
+    flash = run("flash", *tensors, grad, cu)
+    exact = run("fp64", *(t.detach().double().requires_grad_() for t in tensors), grad.double(), cu)
+    for name, got, ref, fp64 in zip(("o", "dq", "dkv", "dk_pe"), kernels, flash, exact):
+        assert got.shape == ref.shape, name
+        assert rel(got, fp64) <= 1.5 * rel(ref, fp64) + 1e-3, (name, rel(got, fp64), rel(ref, fp64))
+
+
 def test_empty_sequences_in_the_packing():
     """Zero-length sequences (cu_seqlens repeating an offset) change nothing for the others: against fp64 alone."""
     tensors, grad, cu = inputs([0, 40, 0, 1, 200, 0], DIMS["small"])
     kernels = run("kernels", *tensors, grad, cu)
     exact = run("fp64", *(t.detach().double().requires_grad_() for t in tensors), grad.double(),
-                torch.tensor([0, 40, 41, 241], device="cuda", dtype=torch.int32))
+                offsets([40, 1, 200]))
     for name, got, fp64 in zip(("o", "dq", "dkv", "dk_pe"), kernels, exact):
         assert rel(got, fp64) < 1e-2, name
 

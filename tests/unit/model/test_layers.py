@@ -124,10 +124,21 @@ def test_mla_attention_from_its_parts_equals_attention_over_concatenated_keys():
         torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-8)
 
 
-def test_sequence_bounds_of_packed_tokens():
-    """Each token's sequence start and end, what the MLA kernels mask with; empty sequences own no token."""
+def test_attention_bounds_of_packed_tokens():
+    """What the MLA kernels mask with: per query row its first and own key, per key its first and end query row;
+    empty sequences own no token. Then context parallelism's case (3 keys of the first sequence precede this
+    rank's queries) and a general one (each sequence's own prefix of keys)."""
     cu = torch.tensor([0, 3, 3, 4, 8])
-    start, end = mla_kernels.sequence_bounds(cu, 8)
-    assert start.tolist() == [0, 0, 0, 3, 4, 4, 4, 4]
-    assert end.tolist() == [3, 3, 3, 4, 8, 8, 8, 8]
-    assert start.dtype == end.dtype == torch.int32
+    key_start, own_key, first_row, query_end = mla_kernels.attention_bounds(cu, cu, 8, 8)
+    assert key_start.tolist() == [0, 0, 0, 3, 4, 4, 4, 4]
+    assert own_key.tolist() == first_row.tolist() == list(range(8))
+    assert query_end.tolist() == [3, 3, 3, 4, 8, 8, 8, 8]
+    assert {t.dtype for t in (key_start, own_key, first_row, query_end)} == {torch.int32}
+    cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 5, 8])  # queries 0-1 are keys 3-4 of the first sequence
+    key_start, own_key, first_row, query_end = mla_kernels.attention_bounds(cu_q, cu_k, 5, 8)
+    assert key_start.tolist() == [0, 0, 5, 5, 5] and own_key.tolist() == [3, 4, 5, 6, 7]
+    assert first_row.tolist() == [0, 0, 0, 0, 1, 2, 3, 4] and query_end.tolist() == [2, 2, 2, 2, 2, 5, 5, 5]
+    cu_q, cu_k = torch.tensor([0, 1, 3]), torch.tensor([0, 3, 7])  # 3 keys, 1 query; 4 keys, 2 queries
+    key_start, own_key, first_row, query_end = mla_kernels.attention_bounds(cu_q, cu_k, 3, 7)
+    assert key_start.tolist() == [0, 3, 3] and own_key.tolist() == [2, 5, 6]
+    assert first_row.tolist() == [0, 0, 0, 1, 1, 1, 2] and query_end.tolist() == [1, 1, 1, 3, 3, 3, 3]
