@@ -644,6 +644,10 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
         f.write(head + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=90)
                 + "\n\n" + avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
     print(head, flush=True)
+    sites = sync_sites_table(lambda: trainer.step(batch))
+    with open(out, "a") as f:
+        f.write("\n\n" + sites)
+    print(sites, flush=True)
 
 
 # DeepSpeed variants of the step for the ablation (`trainer --variants`); each names one suspect of the cost around
@@ -828,6 +832,16 @@ def host_syncs_and_launches(averages) -> tuple[int, int]:
     return syncs, launches
 
 
+def sync_sites_table(step) -> str:
+    """One call of `step` under torch's sync debug mode: who made the host wait (agentrl/host_syncs.py)."""
+    from agentrl.host_syncs import sync_sites
+
+    sites = sync_sites(step)
+    return (f"host syncs by caller (torch's sync debug mode, one step: {sum(sites.values())} in all)\n\n"
+            + table(["syncs", "synchronising call made at", "reached from agentrl at"],
+                    [[n, site.caller, site.via] for site, n in sites.most_common()]))
+
+
 def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> None:
     """For each model and length: the step's wall time, its GPU busy time (the sum of kernel times: well below the
     wall time means the host is the bound) and the kernels that take the GPU's time."""
@@ -858,6 +872,9 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
                 summary.append([name, tokens, f"{wall * 1e3:.1f}", f"{gpu_us / 1e3:.1f}",
                                 f"{gpu_us / 1e6 / wall * 100:.0f}%", syncs, launches])
                 print(f"  {name} T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms", flush=True)
+                sites = sync_sites_table(step)
+                print(sites, flush=True)
+                texts.append(f"### {name}, T={tokens}: {sites}")
                 texts.append(f"### {name}, T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n"
                              + avg.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=80))
                 texts.append(f"### {name}, T={tokens}, by CPU total\n\n"

@@ -32,6 +32,12 @@ from agentrl.trainer.losses import aggregation_weights
 from agentrl.types import Trajectory
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without holding up the host: a blocking copy to the GPU first waits for all the work
+    queued before it (a host sync); a non-blocking one from pageable memory is staged at once and queued behind it."""
+    return t.to(device, non_blocking=True)
+
+
 @dataclass(kw_only=True, slots=True)
 class MicroBatch:
     """Packed sequences; every per-token tensor is aligned with the targets."""
@@ -58,10 +64,10 @@ class MicroBatch:
 
     def forward_args(self, device: torch.device | str) -> tuple:
         """(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, shard) on `device`: what PackedPolicy
-        takes."""
-        forced = None if self.forced_experts_TLK is None else self.forced_experts_TLK.to(device)
-        return (self.input_ids_T.to(device), self.cu_seqlens.to(device), self.target_ids_T.to(device), forced,
-                self.shard)
+        takes (the shard's offsets stay on the host; the model moves them)."""
+        forced = None if self.forced_experts_TLK is None else to_device(self.forced_experts_TLK, device)
+        return (to_device(self.input_ids_T, device), to_device(self.cu_seqlens, device),
+                to_device(self.target_ids_T, device), forced, self.shard)
 
     @property
     def num_sequences(self) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
-from agentrl.trainer.batching import MicroBatch
+from agentrl.trainer.batching import MicroBatch, to_device
 from agentrl.trainer.losses import LossConfig, LossOutput, policy_loss
 
 
@@ -69,8 +69,8 @@ def micro_batch_loss(forward: Forward, micro: MicroBatch, config: LossConfig,
         with torch.no_grad():
             ref, _ = reference(*args, temperature=temperature)
     return policy_loss(logp_T=logp.float(), entropy_T=entropy.float(),
-                       infer_T=micro.infer_logprobs_T.to(device), adv_T=micro.advantages_T.to(device),
-                       weights_T=micro.weights_T.to(device), mask_T=micro.loss_mask_T.to(device),
-                       seq_T=micro.seq_index_T.to(device), num_seqs=micro.num_sequences, config=config,
+                       infer_T=to_device(micro.infer_logprobs_T, device), adv_T=to_device(micro.advantages_T, device),
+                       weights_T=to_device(micro.weights_T, device), mask_T=to_device(micro.loss_mask_T, device),
+                       seq_T=to_device(micro.seq_index_T, device), num_seqs=micro.num_sequences, config=config,
                        ref_T=None if ref is None else ref.float(),
-                       recorded_old_T=None if micro.old_logprobs_T is None else micro.old_logprobs_T.to(device))
+                       recorded_old_T=None if micro.old_logprobs_T is None else to_device(micro.old_logprobs_T, device))

@@ -121,7 +121,6 @@ class ExpertBalancer:
         self.sign_rate = sign_rate
         self.hist_EB: torch.Tensor | None = None
         self.load_E: torch.Tensor | None = None
-        self.range: tuple[float, float] | None = None
         self.last_stats: BalancingStats | None = None  # global statistics of the last completed step
 
     @torch.no_grad()
@@ -135,9 +134,8 @@ class ExpertBalancer:
         if self.method != "quantile":
             return
         scores_TE = scores_TE.float()
-        if self.range is None:
-            self.range = _margin_range(float(bias_E.max()), float(bias_E.min()))
-        lo, hi = self.range
+        # read on the GPU: the bias is the same all step, and a host read here would stall every MoE layer's forward
+        lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
         margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E.float(), self.top_k)
         bins_TE = ((margins_TE - lo) * (self.num_bins / (hi - lo))).long().clamp_(0, self.num_bins - 1)
         flat = (bins_TE + torch.arange(self.num_experts, device=device) * self.num_bins).reshape(-1)
@@ -171,7 +169,6 @@ class ExpertBalancer:
         """Forgets what was observed since the last update (last_stats stays)."""
         self.hist_EB = None
         self.load_E = None
-        self.range = None
 
 
 @torch.no_grad()
@@ -205,7 +202,7 @@ def update_biases(balancers: Sequence[ExpertBalancer], biases_E: Sequence[torch.
                                         biases_E[i].min().double()]) for i, load_E in zip(active, loads)]).tolist()
     for i, piece, load_E, (total, most, mean, bias_max, bias_min) in zip(active, pieces, loads, figures):
         balancer, bias = balancers[i], biases_E[i]
-        lo, hi = balancer.range or _margin_range(bias_max, bias_min)
+        lo, hi = margin_range(bias_max, bias_min)
         balancer.reset()
         if total == 0:
             continue
@@ -220,9 +217,10 @@ def update_biases(balancers: Sequence[ExpertBalancer], biases_E: Sequence[torch.
     return new_biases
 
 
-def _margin_range(bias_max: float, bias_min: float) -> tuple[float, float]:
+def margin_range(bias_max, bias_min):
     """The histogram's range of s − α: s ∈ (0, 1) and α ∈ (min b, 1 + max b), so s − α lies in (−1 − max b, 1 − min b).
-    The bias is identical on every rank, hence so is the range, and the histograms can be summed."""
+    The bias is identical on every rank, hence so is the range, and the histograms can be summed. Floats (the update
+    reads them) or 0-dim fp64 tensors (`observe`, without a host read): the same IEEE operations, the same range."""
     return (-1.0 - bias_max - 1e-3, 1.0 - bias_min + 1e-3)
 
 

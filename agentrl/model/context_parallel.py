@@ -30,7 +30,7 @@ per-step overlap logic; its cost is that the last rank of a long sequence holds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -83,6 +83,11 @@ class ContextShard:
     @property
     def first_continues(self) -> bool:
         return self.continues[self.rank]
+
+    def on(self, device: torch.device | str) -> ContextShard:
+        """This shard with its offsets on `device` (the trainer slices on the host; the layers index on the GPU)."""
+        return replace(self, cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
+                       key_cu_seqlens=self.key_cu_seqlens.to(device, non_blocking=True))
 
 
 def pad_length(num_tokens: int, size: int, minimum_per_rank: int = 1) -> int:

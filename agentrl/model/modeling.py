@@ -113,7 +113,10 @@ class HybridMoEModel(nn.Module):
 
         `shard`: under context parallelism the tokens are this rank's slice of a micro-batch and `cu_seqlens` its
         pieces of sequences (shard.cu_seqlens); KDA and MLA exchange what crosses ranks (context_parallel.py),
-        everything else is per token."""
+        everything else is per token. The trainer slices on the host: the shard's offsets come to the tokens'
+        device here."""
+        if shard is not None and shard.cu_seqlens.device != input_ids_T.device:
+            shard = shard.on(input_ids_T.device)
         x = self.embed_tokens(input_ids_T)
         routed: list[torch.Tensor] = []
         moe_slot = {layer_id: i for i, layer_id in enumerate(self.moe_layer_ids)}

@@ -1,4 +1,5 @@
-"""The model's CUDA path (fla KDA kernels, SDPA MLA, grouped-GEMM MoE, AttnRes) against its CPU path.
+"""The model's CUDA path (fla KDA kernels, SDPA MLA, grouped-GEMM MoE, AttnRes) against its CPU path, and the
+trainer's micro-batches (packed and sliced on the host) through it.
 
 Run through the device tool (an H200); skipped without CUDA.
 """
@@ -187,3 +188,84 @@ def test_log_prob_head_bf16_matches_fp64(tokens, vocab):
     assert lp.dtype == torch.float32 and rel(lp, ref_lp) < 5e-3 and rel(ent, ref_ent) < 5e-3
     assert rel(hidden.grad, h64.grad) < 2e-2 and rel(weight.grad, w64.grad) < 2e-2
 
+
+
+# --- the trainer's micro-batches (packed on the host) on CUDA -----------------------------------------------------
+def host_packed_micro_batch(model, lengths=(700, 90, 1300, 400)):
+    """One micro-batch of a GRPO group packed on the host, as the trainer's `plan_step` packs it."""
+    from agentrl.trainer.batching import plan_step
+    from agentrl.trainer.losses import LossConfig, grpo_advantages
+    from agentrl.types import Trajectory
+
+    gen = torch.Generator().manual_seed(0)
+    batch = []
+    for i, length in enumerate(lengths):
+        t = Trajectory(trajectory_id=f"t{i}", task_id="g", group_id="g", env_id="toy", reward=float(i % 2))
+        t.append_prompt(torch.randint(0, model.config.vocab_size, (16,), generator=gen).tolist())
+        t.append_sampled(torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist(),
+                         [-5.0] * length, version=0)
+        batch.append(t)
+    loss = LossConfig()
+    plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
+                     token_budget=4096, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
+                     num_moe_layers=len(model.moe_layers))
+    (micro,) = plan.per_rank[0]
+    assert micro.cu_seqlens.device.type == "cpu"
+    return micro, loss
+
+
+def test_agentrl_code_never_makes_the_host_wait_for_the_gpu_in_a_training_micro_batch():
+    """The trainer's forward, loss and backward on a packed micro-batch (`small` in bf16, gradient checkpointing, the
+    routers observing for Quantile Balancing): a short step is bound by the host's launches, and each host sync
+    drains the queue the host built ahead. The only syncs left are fla's (its kernels size their grids from the
+    sequence lengths, read back from the GPU, cached per offsets tensor)."""
+    from agentrl.host_syncs import sync_sites
+    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+
+    torch.manual_seed(0)
+    model = HybridMoEForCausalLM(preset_config("small")).to("cuda", torch.bfloat16).train()
+    model.gradient_checkpointing_enable()
+    micro, loss_cfg = host_packed_micro_batch(model)
+    micro_batch_loss(PackedPolicy(model), micro, loss_cfg, device="cuda").loss.backward()  # Triton autotunes: syncs
+    model.zero_grad(set_to_none=True)
+    outputs = []
+
+    def step():
+        outputs.append(micro_batch_loss(PackedPolicy(model), micro, loss_cfg, device="cuda"))
+        outputs[-1].loss.backward()
+
+    sites = sync_sites(step)
+    assert sites, "fla's chunk indices sync: none seen means the sync debug mode saw nothing"
+    assert all(site.caller.startswith("fla/") for site in sites), sites
+    # and it sees ours: reading the loss metrics one by one is a sync in agentrl's code
+    assert any(site.ours for site in sync_sites(outputs[-1].host_sums))
+    assert torch.isfinite(outputs[-1].loss.detach()).item()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_a_context_slice_made_on_the_host_runs_on_cuda_and_matches_the_whole(tmp_path, dtype, tolerance):
+    """The trainer slices micro-batches for context parallelism on the host (`batching.context_slice`); the model
+    takes the slice's offsets to the GPU. One rank through the context-parallel path (a group of one: the exchanges
+    hand each rank its own pieces) gives the plain forward's hidden states, with the plain forward's routing replayed
+    (fla's TF32 tile products can flip near-tied expert choices between two kernel paths)."""
+    import torch.distributed as dist
+
+    from agentrl.trainer.batching import context_slice
+
+    torch.manual_seed(0)
+    model = HybridMoEForCausalLM(preset_config("small")).to("cuda", dtype).eval()
+    micro, _ = host_packed_micro_batch(model)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        sliced = context_slice(micro, rank=0, size=1, group=dist.group.WORLD, min_tokens=3)
+        assert sliced.shard is not None and sliced.shard.cu_seqlens.device.type == "cpu"
+        with torch.no_grad():
+            ids, cu, _, _, _ = micro.forward_args("cuda")
+            whole, routed = model.model(ids, cu)
+            ids, cu, _, _, shard = sliced.forward_args("cuda")
+            piece, _ = model.model(ids, cu, None, False, routed, shard)
+    finally:
+        dist.destroy_process_group()
+    err = ((piece.float() - whole.float()).norm() / whole.float().norm()).item()
+    assert err < tolerance, err
