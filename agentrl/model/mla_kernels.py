@@ -22,6 +22,11 @@ straddle a sequence boundary: each token's sequence start and end (from cu_seqle
 what crosses one. Each program runs its tiles in three ranges so that only the tiles on the diagonal or on a
 sequence start pay for the mask.
 
+Under context parallelism a rank's queries are the end of their sequences and the keys run further back (kv and k_pe
+[S, ...], S ≥ T, with their own offsets): each query row's first key and own key position, and each key's first and
+end query rows, come from `attention_bounds`, and the causal window aligns to the end of the keys (bottom right), as
+`context_parallel.prefix_causal_attention`, the reference there.
+
 `mla.py` keeps FlashAttention-2 with padding (and SDPA off CUDA) as the reference and as the path for other shapes;
 tests/gpu/test_mla_kernels.py compares the two, forward and backward.
 """
