@@ -7,7 +7,6 @@
     python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
     python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
     python scripts/bench_gpu.py weight-ipc   # in-memory weight sync to a second process on the GPU (CUDA IPC) vs D2D
-    python scripts/bench_gpu.py cp-memory    # memory per rank under context parallelism (ranks sharing the GPU)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
     python scripts/bench_gpu.py trainer      # agentrl's DeepSpeed step (ZeRO-2/3) vs the bare fwd+bwd, same tokens,
                                              # interleaved in each process (--rounds, --processes; --out DIR: a
@@ -18,6 +17,8 @@
     python scripts/bench_gpu.py throughput --models kimi-linear-4l k3-4l --tokens 8192 32768
                                              # the same at the layer shapes of Kimi Linear 48B and of K3
     python scripts/bench_gpu.py all          # throughput, gate, memory, publish, weight-ipc, host
+
+Context parallelism (R ranks against one, on R GPUs or sharing one) is scripts/bench_cp.py.
 
 Every model trains in bf16 on one packed sequence (B=1) with its own loss path: agentrl's chunked, recomputed
 target log-probs; fla's fused linear cross-entropy; transformers' full logits and cross-entropy. MFU is
@@ -524,64 +525,6 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
     print(flush=True)
 
 
-def _cp_rank(rank: int, world: int, port: int, tokens: int, results) -> None:
-    """One context-parallel rank on the shared GPU: its slice of one `tokens`-long sequence, forward + backward."""
-    import torch.distributed as dist
-
-    from agentrl.model.context_parallel import ContextShard, pad_length
-    from agentrl.model.modeling import chunked_token_logprobs
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)  # NCCL refuses two ranks on one GPU
-    torch.manual_seed(0)
-    model = agentrl_small().model.to("cuda", torch.bfloat16).train()
-    model.gradient_checkpointing_enable()
-    total = tokens + pad_length(tokens, world, 4)
-    ids = torch.randint(0, model.config.vocab_size, (total + 1,), device="cuda")
-    cu = torch.tensor([0, total], dtype=torch.int32, device="cuda")
-    shard = ContextShard.of(cu, rank=rank, size=world, group=dist.group.WORLD) if world > 1 else None
-    lo, hi = (shard.lo, shard.hi) if shard else (0, total)
-    torch.cuda.synchronize()
-    weights = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    t0 = time.perf_counter()
-    hidden, _ = model.model(ids[lo:hi], shard.cu_seqlens if shard else cu, shard=shard)
-    logp, _ = chunked_token_logprobs(hidden, model.lm_head.weight, ids[lo + 1:hi + 1])
-    (logp.float().sum() / tokens).backward()
-    torch.cuda.synchronize()
-    results.put((rank, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - weights) / 2**30,
-                 weights / 2**30))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def bench_cp_memory(lengths=((65536, 1), (65536, 2), (262144, 2))) -> None:
-    """Memory per rank of the `small` preset under context parallelism, the ranks as processes sharing the one GPU
-    (gloo, staging the exchanged states and latents through host memory: the seconds are not NCCL's): peak allocated
-    above the weights during one forward + backward of a sequence, bf16, gradient checkpointing on."""
-    import torch.multiprocessing as mp
-
-    rows = []
-    for tokens, world in lengths:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = mp.start_processes(_cp_rank, args=(world, free_port(), tokens, results), nprocs=world, join=False,
-                                   start_method="spawn")
-        got = sorted(results.get(timeout=560) for _ in range(world))
-        procs.join()
-        peak = max(g[2] for g in got)
-        rows.append([f"{tokens:,}", world, f"{tokens // world:,}", f"{got[0][3]:.2f}",
-                     " / ".join(f"{g[2]:.2f}" for g in got), f"{peak * 2**30 / (tokens / world) / 1024:.0f}",
-                     f"{max(g[1] for g in got):.1f}"])
-        print(rows[-1], flush=True)
-    print(f"\n### Context parallelism on one {torch.cuda.get_device_name()}: `small` preset, ranks as processes "
-          "sharing the GPU (gloo)\n")
-    print(table(["tokens", "CP", "tokens per rank", "weights GiB", "peak above weights per rank (GiB)",
-                 "KiB per token of a slice", "s (slowest rank, gloo via host)"], rows))
-    print(flush=True)
-
-
 # --- trainer: DeepSpeed around the forward + backward ------------------------------------------------------------
 def _trainer_batch(vocab: int, tokens: int, sequences: int = 8):
     """`sequences` trajectories in two GRPO groups that pack to exactly `tokens` training tokens (each trains on its
@@ -924,13 +867,11 @@ def bench_host() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "weight-ipc", "cp-memory", "host",
+    parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "weight-ipc", "host",
                                          "trainer", "profile", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None, help="profile: a file for the full tables; trainer: a folder for "
                         "a profile of each DeepSpeed step")
-    parser.add_argument("--cp", type=int, nargs="*", default=None, help="cp-memory: the degrees, each at every "
-                        "--tokens length (default 64K at CP 1 and 2, 256K at CP 2)")
     parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of "
                         f"{', '.join(MODELS)} (default {', '.join(DEFAULT_MODELS)}; profile: agentrl), in the order "
                         "given")
@@ -950,9 +891,6 @@ def main() -> None:
         bench_publish()
     if args.what in ("weight-ipc", "all"):
         bench_weight_ipc()
-    if args.what == "cp-memory":
-        bench_cp_memory(tuple((t, c) for t in args.tokens or (65536,) for c in args.cp)) if args.cp else \
-            bench_cp_memory()
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "trainer":

@@ -34,7 +34,9 @@ SMALL_ACTIVATION_ATTN_RES_MIX = "fused"
 # sequence. Fitted on the `small` preset at 256K tokens, CP = 2, one H200 (`bench_gpu.py cp-memory`, 2026-12-03:
 # 27.9 GiB peak above the weights on the heavier rank; without the term the model gave 19.8); at 64K, CP = 2 the
 # fitted model gives 8.0 GiB against 7.2 measured (over, on the safe side). KDA's widened value columns under CP are
-# inside the fit. Attending in the latent space (W_UK absorbed into the queries) would remove most of it.
+# inside the fit. Attending in the latent space (W_UK absorbed into the queries) would remove most of it. Since
+# session 31 the CP path attends through the MLA kernels (mla_kernels.py), which neither pad the values nor build
+# the concatenated keys: the fit errs high, not re-measured (`scripts/bench_cp.py --cp 2 --tokens 262144` would).
 CP_MLA_KV_FACTOR = 9.26
 
 # ------------------------------------------------------------------------------------------------------------------
