@@ -21,6 +21,7 @@ import torch
 
 # agentrl's own tree: the package and the checkout it lives in (trainer/, rollout/, envs/ join the package there)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_PREFIXES = ("agentrl/", "trainer/", "rollout/", "envs/")
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,6 @@ class SyncSite:
     def ours(self) -> bool:
         """Whether agentrl's own code made the synchronising call."""
         return self.caller.startswith(_OWN_PREFIXES)
-
-
-_OWN_PREFIXES = ("agentrl/", "trainer/", "rollout/", "envs/")
 
 
 def source_path(filename: str) -> str:

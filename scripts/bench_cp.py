@@ -99,6 +99,7 @@ def _check(rank: int, world: int, model, ids: torch.Tensor) -> dict | None:
     config = model.config
     total = ids.numel() - 1
     routed = torch.empty(total, len(model.moe_layers), config.num_experts_per_token, dtype=torch.long, device=device)
+    reference: dict[str, torch.Tensor] = {}  # rank 0's whole-sequence gradients
     if rank == 0:
         whole, routed_whole = _step(model, ids, 0, 1)
         routed.copy_(routed_whole)
@@ -111,7 +112,7 @@ def _check(rank: int, world: int, model, ids: torch.Tensor) -> dict | None:
     for name, p in model.named_parameters():  # every rank reduces every gradient, in the same order
         grad = p.grad.detach().float() if p.grad is not None else torch.zeros(p.shape, device=device)
         dist.all_reduce(grad)
-        if rank == 0 and name in reference:
+        if name in reference:
             ref = reference[name]
             errors[name] = float((grad.cpu() - ref).norm() / ref.norm().clamp_min(1e-12))
     if rank != 0:
@@ -165,7 +166,7 @@ def _timings(rank: int, world: int, model, ids: torch.Tensor, repeats: int) -> d
     peak = (torch.cuda.max_memory_allocated(device) - weights) / 2**30 if cuda else None
     nccl = (_nccl_share(model, ids, rank, world, statistics.median(seconds))
             if cuda and dist.get_backend() == "nccl" else None)
-    return dict(seconds=seconds, peak_gib=peak, weights_gib=weights / 2**30 if cuda else None, nccl_share=nccl)
+    return dict(seconds=seconds, peak_gib=peak, nccl_share=nccl)
 
 
 def _rank(rank: int, world: int, port: int, job: dict, results) -> None:

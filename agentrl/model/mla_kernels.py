@@ -40,7 +40,7 @@ import torch
 
 from agentrl.model import layers
 
-__all__ = ["available", "set_enabled", "mla_causal_attention"]
+__all__ = ["available", "set_enabled", "attention_bounds", "mla_causal_attention"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _LOG2E = math.log2(math.e)
@@ -80,15 +80,17 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
-    def key_ranges(key_start, own_key, first, last, BLOCK_N: tl.constexpr):
-        """The key tiles of query rows [first, last]: from the first row's first key to the last row's own key,
-        split at a and b: tiles starting in [a, b) lie after every row's first key and at or before the first row's
-        own, and need no mask; [lo, a) and [b, hi) do (a = b when none is whole). Tiles start at multiples of
-        BLOCK_N. (Both bounds are nondecreasing along the rows.)"""
-        lo = tl.load(key_start + first) // BLOCK_N * BLOCK_N
-        hi = tl.load(own_key + last) + 1
-        full_lo = tl.cdiv(tl.load(key_start + last), BLOCK_N) * BLOCK_N
-        full_hi = (tl.load(own_key + first) + 1) // BLOCK_N * BLOCK_N
+    def tile_ranges(starts, ends, first, last, BLOCK: tl.constexpr, END_INCLUSIVE: tl.constexpr):
+        """The tiles the entries [first, last] of a program reach, each entry from starts[i] to ends[i] (+1 when
+        END_INCLUSIVE): from the first entry's start to the last entry's end, split at a and b: tiles starting in
+        [a, b) lie after every entry's start and end before the first entry's end, and need no mask; [lo, a) and
+        [b, hi) do (a = b when none is whole). Tiles start at multiples of BLOCK. Both bounds are nondecreasing
+        along the entries. For query rows: their sequences' first keys and their own keys (inclusive); for keys:
+        the first query rows that see them and their sequences' query ends."""
+        lo = tl.load(starts + first) // BLOCK * BLOCK
+        hi = tl.load(ends + last) + END_INCLUSIVE
+        full_lo = tl.cdiv(tl.load(starts + last), BLOCK) * BLOCK
+        full_hi = (tl.load(ends + first) + END_INCLUSIVE) // BLOCK * BLOCK
         a = tl.minimum(full_lo, hi)
         return lo, a, tl.maximum(full_hi, a), hi
 
@@ -132,7 +134,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: e^(m − m') of two −inf would be NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, V], tl.float32)
-        lo, a, b, hi = key_ranges(key_start, own_key, first, last, BLOCK_N)
+        lo, a, b, hi = tile_ranges(key_start, own_key, first, last, BLOCK_N, 1)
         acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, row_start, row_own,
                                       lo, a, S, qk_scale, E, P, V, BLOCK_N, True)
         acc, l_i, m_i = forward_tiles(acc, l_i, m_i, q_a, q_b, kv_h, stride_kt, k_pe, stride_pt, row_start, row_own,
@@ -194,14 +196,7 @@ if triton is not None:
         dv = tl.zeros([BLOCK_N, V], tl.float32)
         q_h, do_h = q + h.to(tl.int64) * stride_qh, do + h.to(tl.int64) * stride_dh
         lse_h, delta_h = lse + h.to(tl.int64) * T, delta + h.to(tl.int64) * T
-        # query rows from the first key's first row to the last key's sequence end; unmasked where a tile starts at
-        # or after every key's first row and ends before the first key's sequence does (both nondecreasing)
-        lo = tl.load(first_row + first) // BLOCK_M * BLOCK_M
-        hi = tl.load(query_end + last)
-        full_lo = tl.cdiv(tl.load(first_row + last), BLOCK_M) * BLOCK_M
-        full_hi = tl.load(query_end + first) // BLOCK_M * BLOCK_M
-        a = tl.minimum(full_lo, hi)
-        b = tl.maximum(full_hi, a)
+        lo, a, b, hi = tile_ranges(first_row, query_end, first, last, BLOCK_M, 0)
         dk_a, dk_b, dv = key_grad_tiles(dk_a, dk_b, dv, k_a, k_b, v, key_first, key_end, q_h, stride_qt, do_h,
                                         stride_dt, lse_h, delta_h, lo, a, T, qk_scale, E, P, V, BLOCK_M, True)
         dk_a, dk_b, dv = key_grad_tiles(dk_a, dk_b, dv, k_a, k_b, v, key_first, key_end, q_h, stride_qt, do_h,
@@ -258,7 +253,7 @@ if triton is not None:
         delta_r = tl.load(delta + h.to(tl.int64) * T + rows, mask=inside, other=0.0)
         dq_a = tl.zeros([BLOCK_M, E], tl.float32)
         dq_b = tl.zeros([BLOCK_M, P], tl.float32)
-        lo, a, b, hi = key_ranges(key_start, own_key, first, last, BLOCK_N)
+        lo, a, b, hi = tile_ranges(key_start, own_key, first, last, BLOCK_N, 1)
         dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, row_start, row_own, kv_h,
                                       stride_kt, k_pe, stride_pt, lo, a, S, qk_scale, E, P, V, BLOCK_N, True)
         dq_a, dq_b = query_grad_tiles(dq_a, dq_b, q_a, q_b, d_o, lse_r, delta_r, row_start, row_own, kv_h,
@@ -270,8 +265,6 @@ if triton is not None:
                  mask=inside[:, None])
         tl.store(dq_rows + E + tl.arange(0, P)[None, :], (dq_b * sm_scale).to(dq.dtype.element_ty),
                  mask=inside[:, None])
-
-
 
 
 _ENABLED = True

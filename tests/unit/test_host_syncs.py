@@ -1,4 +1,5 @@
-"""Naming who made the host wait (agentrl/host_syncs.py; the syncs themselves need CUDA: tests/gpu/test_model_cuda.py)."""
+"""Naming who made the host wait (agentrl/host_syncs.py; the syncs themselves need CUDA:
+tests/gpu/test_model_cuda.py)."""
 
 import torch.nn.functional as F
 
