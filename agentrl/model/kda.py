@@ -26,7 +26,7 @@ from agentrl.model import context_parallel, kda_ops
 from agentrl.model.cache import KDAState
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
-from agentrl.model.layers import fla_op, gated_rms_norm, l2norm, short_conv
+from agentrl.model.layers import fla_offsets, fla_op, gated_rms_norm, l2norm, short_conv
 
 
 class KimiDeltaAttention(nn.Module):
@@ -101,6 +101,7 @@ class KimiDeltaAttention(nn.Module):
             if state is not None or use_cache:
                 raise ValueError("context parallelism is for training: no decoding state")
             return self._forward_shard(x_TD, shard), None
+        cu_seqlens = fla_offsets(cu_seqlens)  # the forward's own object under ZeRO-3 too: fla caches by identity
         num_tokens = x_TD.shape[0]
         q, k, v, g, beta, conv_state = self._inputs(x_TD, cu_seqlens, None if state is None else state.conv_NCW)
         initial = None if state is None else state.recurrent_NHKV

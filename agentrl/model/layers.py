@@ -13,6 +13,7 @@ what they buy).
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 from types import ModuleType
@@ -50,6 +51,34 @@ def fla_op(x: torch.Tensor, module: str) -> ModuleType | None:
     if not (_FUSED and x.is_cuda):
         return None
     return _import(module)
+
+
+# the offsets tensors fla_offsets has handed out, each with its version counter when first seen
+_OFFSETS_SEEN: collections.deque = collections.deque(maxlen=4)
+
+
+def fla_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """`cu_seqlens`, or the tensor it is an alias of, so that fla recognises offsets it has seen.
+
+    fla caches what it derives from the offsets (the chunk indices, built with host syncs) by the tensor's
+    identity, which holds while one `cu_seqlens` object reaches every layer of a forward. Under ZeRO-3 it does not:
+    DeepSpeed's module hooks hand each module a fresh alias of every tensor argument (an autograd Function's detach:
+    the same storage, a new object), so every KDA layer missed fla's cache and rebuilt the indices, two host syncs
+    each (48 of the 88 per ZeRO-3 step of the `small` preset, docs/benchmarks.md). An alias has the storage,
+    offset, shape, strides and dtype of an earlier tensor and no write since; that tensor is handed back instead.
+    The entries are kept alive here (a few small tensors), so no other tensor can occupy their storage meanwhile.
+    """
+    if cu_seqlens.is_inference():  # serving: no version counter to compare, and no ZeRO-3 hooks
+        return cu_seqlens
+    for seen, version in tuple(_OFFSETS_SEEN):
+        if seen is cu_seqlens:
+            return seen
+        if (seen.data_ptr() == cu_seqlens.data_ptr() and seen.device == cu_seqlens.device
+                and seen.dtype == cu_seqlens.dtype and seen.shape == cu_seqlens.shape
+                and seen.stride() == cu_seqlens.stride() and seen._version == version == cu_seqlens._version):
+            return seen
+    _OFFSETS_SEEN.append((cu_seqlens, cu_seqlens._version))
+    return cu_seqlens
 
 
 class RMSNorm(nn.Module):

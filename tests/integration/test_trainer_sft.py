@@ -182,3 +182,28 @@ def test_the_one_pass_gradient_norm_is_deepspeeds_per_tensor_norm(model_dir, tmp
     poisoned = seen[len(finite):]  # the group that holds the weight: -1 from both; the others agree as before
     assert [fused for fused, _ in poisoned] == pytest.approx([per for _, per in poisoned], rel=1e-6)
     assert (-1.0, -1.0) in poisoned
+
+
+def test_under_zero3_every_kda_layer_hands_fla_one_offsets_object(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """fla caches the chunk indices it derives from cu_seqlens (host syncs) by the tensor's identity. DeepSpeed's
+    ZeRO-3 hooks hand each module its own alias of every tensor argument, so each KDA layer had a new object and fla
+    rebuilt the indices for every layer; KDA now maps an alias back to the offsets it stands for
+    (`layers.fla_offsets`): one object for every layer of the forward and of its recomputation."""
+    from agentrl.model import kda
+
+    seen = []
+    kernel = kda.KimiDeltaAttention._kernel
+
+    def recording(self, q, k, v, g, beta, initial, use_cache, cu_seqlens):
+        seen.append(cu_seqlens)  # kept alive, so no two distinct objects share an id
+        return kernel(self, q, k, v, g, beta, initial, use_cache, cu_seqlens)
+
+    monkeypatch.setattr(kda.KimiDeltaAttention, "_kernel", recording)
+    trainer = one_rank_trainer(model_dir, tmp_path, zero_stage=3, gradient_checkpointing=True)
+    try:
+        kda_layers = sum(layer.is_kda for layer in trainer.policy.model.layers)
+        trainer.step([oracle(i, np.random.default_rng(i)) for i in range(4)], LossConfig(kind="sft"))
+    finally:
+        trainer.close()
+    assert len(seen) == 2 * kda_layers  # the forward and the recomputation under the backward
+    assert len({id(offsets) for offsets in seen}) == 1

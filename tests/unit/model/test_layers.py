@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
-from agentrl.model.layers import RMSNorm, glu, short_conv
+from agentrl.model.layers import RMSNorm, fla_offsets, glu, short_conv
 from agentrl.model import mla_kernels
 from agentrl.model.mla import mla_attention, varlen_causal_attention
 
@@ -142,3 +142,38 @@ def test_attention_bounds_of_packed_tokens():
     key_start, own_key, first_row, query_end = mla_kernels.attention_bounds(cu_q, cu_k, 3, 7)
     assert key_start.tolist() == [0, 3, 3] and own_key.tolist() == [2, 5, 6]
     assert first_row.tolist() == [0, 0, 0, 1, 1, 1, 2] and query_end.tolist() == [1, 1, 1, 3, 3, 3, 3]
+
+
+class _Alias(torch.autograd.Function):
+    """What DeepSpeed's ZeRO-3 module hooks do to a tensor argument: the same storage as a new object."""
+
+    @staticmethod
+    def forward(x):
+        return x.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_fla_offsets_maps_an_alias_back_and_nothing_else():
+    offsets = torch.tensor([0, 5, 9, 16], dtype=torch.int32)
+    assert fla_offsets(offsets) is offsets
+    alias = _Alias.apply(offsets)
+    assert alias is not offsets and alias.data_ptr() == offsets.data_ptr()
+    assert fla_offsets(alias) is offsets
+    equal_elsewhere = offsets.clone()  # equal values, its own storage: fla must see it as new
+    assert fla_offsets(equal_elsewhere) is equal_elsewhere
+    assert fla_offsets(offsets[1:]) is not offsets  # a view that is not the whole: different offsets
+    assert fla_offsets(offsets.view(torch.float32)) is not offsets  # the same bytes as another dtype
+    offsets.add_(1)  # written since it was seen: what fla derived from it is stale
+    written = _Alias.apply(offsets)
+    assert fla_offsets(written) is written
+    assert fla_offsets(_Alias.apply(offsets)) is written  # and the new entry serves the next alias
+    with torch.inference_mode():  # serving's tensors have no version counter: passed through as they are
+        served = torch.tensor([0, 5], dtype=torch.int32)
+        assert fla_offsets(served) is served
