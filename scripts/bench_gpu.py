@@ -7,6 +7,7 @@
     python scripts/bench_gpu.py gate         # bounded vs unbounded KDA gate inside the full model
     python scripts/bench_gpu.py publish      # weight publishing GPU→GPU over NCCL vs device copy bandwidth (2 GPUs)
     python scripts/bench_gpu.py weight-ipc   # in-memory weight sync to a second process on the GPU (CUDA IPC) vs D2D
+                                             # (--receiver-gpu 1: to GPU 1, against the peer copy)
     python scripts/bench_gpu.py host         # the state dict to host memory (publishing's copy): per tensor vs bucketed
     python scripts/bench_gpu.py trainer      # agentrl's DeepSpeed step (ZeRO-2/3) vs the bare fwd+bwd, same tokens,
                                              # interleaved in each process (--rounds, --processes; --out DIR: a
@@ -14,6 +15,8 @@
                                              # TRAINER_VARIANTS' engine settings)
     python scripts/bench_gpu.py profile      # wall vs GPU-busy time and torch.profiler kernel tables of one fwd+bwd
                                              # (--tokens, --models, --out FILE for the full tables)
+    python scripts/bench_gpu.py components   # the short step by part: each kind of layer's fwd+bwd alone (wall, GPU
+                                             # time, launches) and its share of the whole step's launches
     python scripts/bench_gpu.py throughput --models kimi-linear-4l k3-4l --tokens 8192 32768
                                              # the same at the layer shapes of Kimi Linear 48B and of K3
     python scripts/bench_gpu.py all          # throughput, gate, memory, publish, weight-ipc, host
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -224,23 +228,32 @@ def measure(built: Built, loss_fn, tokens: int, repeats: int = 3) -> tuple[str, 
     """(tokens/s, MFU 6N, MFU with attention, note); retries with gradient checkpointing on OOM."""
     model = built.model
     note = ""
-    try:
-        dt = step_time(model, loss_fn, tokens, repeats)
-    except torch.OutOfMemoryError:
-        model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+    dt = _step_time_or_oom(model, loss_fn, tokens, repeats)
+    if dt is None:
         model.gradient_checkpointing_enable()
         try:
-            dt = step_time(model, loss_fn, tokens, repeats)
+            dt = _step_time_or_oom(model, loss_fn, tokens, repeats)
             note = "ckpt"
-        except torch.OutOfMemoryError:
-            return "OOM", "", "", ""
         finally:
             model.gradient_checkpointing_disable()
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
+        if dt is None:
+            return "OOM", "", "", ""
     return (f"{tokens / dt:,.0f}", f"{6 * built.active * tokens / dt / PEAK_FLOPS * 100:.1f}%",
             f"{built.flops(tokens) / dt / PEAK_FLOPS * 100:.1f}%", note)
+
+
+def _step_time_or_oom(model, loss_fn, tokens: int, repeats: int) -> float | None:
+    """step_time, or None on OOM with the failed step's memory released. The retry must not run inside the
+    `except` block: the exception's traceback holds the failed forward's frames and with them its activations (K3's
+    width at 8K tokens "ran out of memory" with checkpointing only because of that: 49 GB peak when run alone)."""
+    try:
+        return step_time(model, loss_fn, tokens, repeats)
+    except torch.OutOfMemoryError:
+        pass
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return None
 
 
 MODELS = {
@@ -442,10 +455,11 @@ def bench_publish() -> None:
     print(flush=True)
 
 
-def _ipc_receiver(name: str, requests, replies) -> None:
-    """The second process on the GPU: builds the same model, then copies each bucket it is told of into it."""
+def _ipc_receiver(name: str, requests, replies, device: int) -> None:
+    """The second process, on GPU `device`: builds the same model, then copies each bucket it is told of into it."""
     from agentrl.weight_buckets import BucketMeta, unpack
 
+    torch.cuda.set_device(device)
     torch.manual_seed(1)  # other weights than the sender's, until the buckets arrive
     model = real_width_model(name)
     state = model.state_dict()
@@ -465,20 +479,24 @@ def _ipc_receiver(name: str, requests, replies) -> None:
         replies.put(message["index"])
 
 
-def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256), repeats: int = 5) -> None:
-    """In-memory weight sync on one GPU: the trainer's process hands a state dict (bf16) in buckets to a second
-    process through CUDA IPC (agentrl.weight_buckets, as trainer/weight_stream.py does for an engine on a shared
-    GPU), which copies each bucket into its own parameters; against a device-to-device copy of as many bytes measured
-    in the same run. The receiver's logits equal the sender's afterwards (same weights, same kernels)."""
+def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256), repeats: int = 5,
+                     receiver_gpu: int = 0) -> None:
+    """In-memory weight sync: the trainer's process (GPU 0) hands a state dict (bf16) in buckets to a second process
+    through CUDA IPC (agentrl.weight_buckets, as trainer/weight_stream.py does for an engine), which copies each
+    bucket into its own parameters; against a copy of as many bytes to the receiver's GPU measured in the same run
+    (device to device on one GPU; peer to peer with `receiver_gpu` 1, issue 25's two-GPU run, where `publish`
+    measures the bucketed NCCL broadcast). The receiver's logits equal the sender's afterwards (same weights, same
+    kernels)."""
     import torch.multiprocessing as mp
 
     from agentrl.weight_buckets import BucketRing, split_into_buckets
 
+    copy_name = "device-to-device copy" if receiver_gpu == 0 else f"peer copy GPU 0 → GPU {receiver_gpu}"
     rows = []
     for name in models:
         ctx = mp.get_context("spawn")
         requests, replies = ctx.Queue(), ctx.Queue()
-        receiver = ctx.Process(target=_ipc_receiver, args=(name, requests, replies))
+        receiver = ctx.Process(target=_ipc_receiver, args=(name, requests, replies, receiver_gpu))
         receiver.start()
         torch.manual_seed(0)
         model = real_width_model(name)
@@ -487,8 +505,13 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
         assert replies.get(timeout=600) == "ready"
         gb = nbytes / 1e9
         big = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(big)
-        copy_s = median_seconds(lambda: dst.copy_(big), repeats)
+        dst = torch.empty_like(big, device=f"cuda:{receiver_gpu}")
+
+        def copy() -> None:
+            dst.copy_(big)
+            torch.cuda.synchronize(receiver_gpu)
+
+        copy_s = median_seconds(copy, repeats)
         del big, dst
         for bucket_mb, by_reference in [(mb, False) for mb in buckets_mb] + [(mb, True) for mb in (1024, 16384)]:
             ring = BucketRing.create("cuda_ipc", bucket_mb << 20)
@@ -506,7 +529,7 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
                    if by_reference else f"copied into {bucket_mb} MB buckets")
             rows.append([name, f"{gb:.2f}", f"{len(state)}", f"CUDA IPC, {how}", f"{t * 1e3:.1f}",
                          f"{gb / t:.0f}", f"{copy_s / t:.0%}"])
-        rows.append([name, f"{gb:.2f}", "", "device-to-device copy, one process", f"{copy_s * 1e3:.1f}",
+        rows.append([name, f"{gb:.2f}", "", f"{copy_name}, one process", f"{copy_s * 1e3:.1f}",
                      f"{gb / copy_s:.0f}", "100%"])
         requests.put("logits")
         theirs = replies.get(timeout=120)
@@ -519,9 +542,9 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
               flush=True)
         del model, state
         torch.cuda.empty_cache()
-    print(f"\n### In-memory weight sync on one {torch.cuda.get_device_name()}: trainer process → a second process "
-          f"(bf16), median of {repeats}\n")
-    print(table(["model", "GB", "tensors", "transfer", "ms", "GB/s", "vs D2D copy"], rows))
+    where = f"one {torch.cuda.get_device_name()}" if receiver_gpu == 0 else f"GPU 0 → GPU {receiver_gpu}"
+    print(f"\n### In-memory weight sync, {where}: trainer process → a second process (bf16), median of {repeats}\n")
+    print(table(["model", "GB", "tensors", "transfer", "ms", "GB/s", f"vs {copy_name}"], rows))
     print(flush=True)
 
 
@@ -603,6 +626,7 @@ class Variant:
     per_tensor_overflow_check: bool = False  # DeepSpeed's own pass over every gradient (trainer/zero.py drops it)
     per_tensor_grad_norm: bool = False  # DeepSpeed's norm of one gradient at a time (trainer/zero.py: one pass)
     metrics_read_per_value: bool = False  # each loss metric read back as computed (before session 30: ~10 per micro)
+    offsets_as_passed: bool = False  # KDA hands fla the alias ZeRO-3 passes it (before session 32: fla's cache missed)
 
 
 TRAINER_VARIANTS = {
@@ -619,6 +643,7 @@ TRAINER_VARIANTS = {
     "zero3, all params persistent": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**10}}),
     "zero3, prefetch 2e8": Variant(3, {"zero_optimization": {"stage3_prefetch_bucket_size": 2 * 10**8}}),
     "zero3, persistence 1e6": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**6}}),
+    "zero3, offsets as DeepSpeed passes them": Variant(3, offsets_as_passed=True),
 }
 
 
@@ -686,6 +711,10 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
             return out
 
         policy_trainer.micro_batch_loss = read_per_value
+    if variant.offsets_as_passed:  # this process runs one variant: patching the module is local to it
+        from agentrl.model import kda
+
+        kda.fla_offsets = lambda cu_seqlens: cu_seqlens
     if not variant.balancing:  # the routers neither observe nor update their biases
         trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
         trainer.policy.update_expert_bias = lambda **kw: {}
@@ -775,6 +804,21 @@ def host_syncs_and_launches(averages) -> tuple[int, int]:
     return syncs, launches
 
 
+def profiled_call(step) -> tuple:
+    """One call of `step` under torch.profiler: (its key averages, the GPU's kernel seconds, host syncs, kernel
+    launches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    # kernels only (as the table's "Self CUDA time total"): an aten op's self device time repeats them
+    gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    return (avg, gpu_us / 1e6, *host_syncs_and_launches(avg))
+
+
 def sync_sites_table(step) -> str:
     """One call of `step` under torch's sync debug mode: who made the host wait (agentrl/host_syncs.py)."""
     from agentrl.host_syncs import sync_sites
@@ -788,9 +832,6 @@ def sync_sites_table(step) -> str:
 def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> None:
     """For each model and length: the step's wall time, its GPU busy time (the sum of kernel times: well below the
     wall time means the host is the bound) and the kernels that take the GPU's time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     summary, texts = [], []
     for key in models or ["agentrl"]:
         name, build, loss_fn, fused = MODELS[key]
@@ -804,21 +845,14 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
                 print(f"  {name} T={tokens}: warming up (Triton compiles fla's kernels on a cold cache)", flush=True)
                 wall = median_seconds(step, 3)
                 print(f"  {name} T={tokens}: timed after {time.perf_counter() - started:.0f} s", flush=True)
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    step()
-                    torch.cuda.synchronize()
-                avg = prof.key_averages()
-                # kernels only (as the table's "Self CUDA time total"): an aten op's self device time repeats them
-                gpu_us = sum(e.self_device_time_total for e in avg
-                             if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
-                syncs, launches = host_syncs_and_launches(avg)
-                summary.append([name, tokens, f"{wall * 1e3:.1f}", f"{gpu_us / 1e3:.1f}",
-                                f"{gpu_us / 1e6 / wall * 100:.0f}%", syncs, launches])
-                print(f"  {name} T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms", flush=True)
+                avg, gpu, syncs, launches = profiled_call(step)
+                summary.append([name, tokens, f"{wall * 1e3:.1f}", f"{gpu * 1e3:.1f}", f"{gpu / wall * 100:.0f}%",
+                                syncs, launches])
+                print(f"  {name} T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu * 1e3:.1f} ms", flush=True)
                 sites = sync_sites_table(step)
                 print(sites, flush=True)
                 texts.append(f"### {name}, T={tokens}: {sites}")
-                texts.append(f"### {name}, T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms\n\n"
+                texts.append(f"### {name}, T={tokens}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu * 1e3:.1f} ms\n\n"
                              + avg.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=80))
                 texts.append(f"### {name}, T={tokens}, by CPU total\n\n"
                              + avg.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=80))
@@ -831,6 +865,68 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
     print("### Where one fwd+bwd step's time goes (profiled step; wall time: median of 3 unprofiled)\n")
     print(table(["model", "tokens", "wall ms", "GPU kernels ms", "GPU busy", "host syncs", "kernel launches"],
                 summary))
+    print(flush=True)
+
+
+def _components(model, tokens: int):
+    """(name, layers of that kind in the model, fwd+bwd of one of them on `tokens` packed tokens) for each part of
+    a decoder step, and the whole step last."""
+    from agentrl.model.modeling import chunked_token_logprobs
+
+    config, layers = model.config, list(model.model.layers)
+    hidden = torch.randn(tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
+    targets = torch.randint(0, config.vocab_size, (tokens,), device="cuda")
+
+    def fwd_bwd(forward):
+        def step():
+            h = hidden.detach().requires_grad_()
+            forward(h).float().sum().backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    kinds = [("KDA attention (with its norm)", lambda layer: layer.is_kda,
+              lambda layer: lambda h: layer.attention(h, cu_seqlens, None, False)),
+             ("MLA attention (with its norm)", lambda layer: not layer.is_kda,
+              lambda layer: lambda h: layer.attention(h, cu_seqlens, None, False)),
+             ("MoE feed-forward (with its norm)", lambda layer: layer.is_moe,
+              lambda layer: lambda h: layer.feed_forward(h, None)[0]),
+             ("dense MLP (with its norm)", lambda layer: not layer.is_moe,
+              lambda layer: lambda h: layer.feed_forward(h, None)[0])]
+    for name, chosen, forward in kinds:
+        matching = [layer for layer in layers if chosen(layer)]
+        if matching:
+            yield name, len(matching), fwd_bwd(forward(matching[0]))
+    yield "log-prob head", 1, fwd_bwd(lambda h: chunked_token_logprobs(h, model.lm_head.weight, targets)[0])
+    yield "whole step", 1, train_step(model, agentrl_loss, tokens)
+
+
+def bench_components(tokens_list, models: list[str] | None) -> None:
+    """Issue 26's short step, by part: each kind of layer's forward + backward alone at the step's length (wall time,
+    the GPU's kernel time, the kernels launched, the host's waits), and how many of the whole step's launches that
+    kind makes (× its layers). Where wall time is well above kernel time the host is the bound, and the launches say
+    which part keeps it busy."""
+    rows = []
+    for key in models or ["small"]:
+        model = real_width_model(key).train()
+        for tokens in tokens_list:
+            measured = []
+            for name, count, step in _components(model, tokens):
+                wall = median_seconds(step, 5)
+                _, gpu, syncs, launches = profiled_call(step)
+                measured.append((name, count, wall, gpu, syncs, launches))
+                print(f"  {key} T={tokens} {name}: wall {wall * 1e3:.2f} ms, {launches} launches", flush=True)
+            whole_launches = measured[-1][5]
+            for name, count, wall, gpu, syncs, launches in measured:
+                rows.append([key, f"{tokens:,}", name, count, f"{wall * 1e3:.2f}", f"{gpu * 1e3:.2f}",
+                             f"{gpu / wall * 100:.0f}%", syncs, launches, f"{wall / launches * 1e6:.0f}",
+                             f"{count * launches / whole_launches * 100:.0f}%"])
+        del model
+        torch.cuda.empty_cache()
+    print("\n### The step by part: one layer of each kind, fwd+bwd alone, bf16, one sequence (wall: median of 5; "
+          "kernels, launches, syncs: one profiled call)\n")
+    print(table(["model", "tokens", "part", "layers", "wall ms", "GPU kernels ms", "GPU busy", "host syncs",
+                 "kernel launches", "wall µs per launch", "share of the step's launches (× layers)"], rows))
     print(flush=True)
 
 
@@ -868,17 +964,20 @@ def bench_host() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["throughput", "memory", "gate", "publish", "weight-ipc", "host",
-                                         "trainer", "profile", "all"])
+                                         "trainer", "profile", "components", "all"])
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--out", default=None, help="profile: a file for the full tables; trainer: a folder for "
                         "a profile of each DeepSpeed step")
     parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of "
                         f"{', '.join(MODELS)} (default {', '.join(DEFAULT_MODELS)}; profile: agentrl), in the order "
-                        "given")
+                        "given; components: small (default) or "
+                        f"{', '.join(REAL_WIDTHS)}")
     parser.add_argument("--variants", nargs="*", default=None, help="trainer: also time these TRAINER_VARIANTS "
                         "entries (none named: all)")
     parser.add_argument("--rounds", type=int, default=7, help="trainer: rounds of (bare, DeepSpeed) steps per process")
     parser.add_argument("--processes", type=int, default=2, help="trainer: processes per ZeRO stage or variant")
+    parser.add_argument("--receiver-gpu", type=int, default=0, help="weight-ipc: the receiving process's GPU (1: "
+                        "issue 25's GPU-to-GPU sync, with `publish` for the NCCL broadcast)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "run through the device tool"
     if args.what in ("throughput", "all"):
@@ -890,12 +989,14 @@ def main() -> None:
     if args.what in ("publish", "all"):
         bench_publish()
     if args.what in ("weight-ipc", "all"):
-        bench_weight_ipc()
+        bench_weight_ipc(receiver_gpu=args.receiver_gpu)
     if args.what in ("host", "all"):
         bench_host()
     if args.what == "trainer":
         bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768), rounds=args.rounds,
                       processes=args.processes, profile_dir=args.out, variants=args.variants)
+    if args.what == "components":
+        bench_components(tuple(args.tokens) if args.tokens else (4096,), args.models)
     if args.what == "profile":
         bench_profile(tuple(args.tokens) if args.tokens else (4096, 32768), args.models, args.out)
 

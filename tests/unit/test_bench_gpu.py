@@ -1,0 +1,67 @@
+"""scripts/bench_gpu.py's retry with gradient checkpointing after an out-of-memory step: the failed step's memory
+must be free when the retry runs (K3's width at 8K tokens read "OOM" for a step that fits, because the retry ran
+inside the `except` block, whose traceback kept the failed forward's activations alive)."""
+
+import importlib.util
+import os
+import sys
+import weakref
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "scripts", "bench_gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.checkpointing = False
+
+    def gradient_checkpointing_enable(self):
+        self.checkpointing = True
+
+    def gradient_checkpointing_disable(self):
+        self.checkpointing = False
+
+
+def test_the_retry_with_checkpointing_runs_after_the_failed_step_released_its_memory(monkeypatch):
+    bench = _script()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    attempts = []
+
+    def step_time(model, loss_fn, tokens, repeats):
+        activations = torch.empty(1024)  # what a failed forward holds in its frames
+        attempts.append((model.checkpointing, weakref.ref(activations),
+                         [ref() is not None for _, ref, _ in attempts]))
+        if not model.checkpointing:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return 0.5
+
+    monkeypatch.setattr(bench, "step_time", step_time)
+    built = bench.Built(_Model(), total=10, active=10)
+    tokens_per_s, _, _, note = bench.measure(built, loss_fn=None, tokens=1000)
+    assert [checkpointing for checkpointing, _, _ in attempts] == [False, True]
+    assert attempts[1][2] == [False], "the failed step's tensors were still alive when the retry began"
+    assert (tokens_per_s, note) == ("2,000", "ckpt")
+    assert not built.model.checkpointing
+
+
+def test_a_step_that_runs_out_of_memory_with_checkpointing_too_reads_oom(monkeypatch):
+    bench = _script()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def step_time(model, loss_fn, tokens, repeats):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "step_time", step_time)
+    built = bench.Built(_Model(), total=10, active=10)
+    assert bench.measure(built, loss_fn=None, tokens=1000) == ("OOM", "", "", "")
+    assert not built.model.checkpointing
