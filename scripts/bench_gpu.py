@@ -572,7 +572,7 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
     """One PolicyTrainer.step under torch.profiler, its phases labelled (the host time each phase holds the step,
     the kernels it launches): where the DeepSpeed step's time over the bare forward + backward goes."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     from agentrl.trainer import policy_trainer
 
@@ -591,20 +591,15 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
     try:
         torch.cuda.synchronize()
         started = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            trainer.step(batch)
-            torch.cuda.synchronize()
+        avg, gpu, syncs, launches = profiled_call(lambda: trainer.step(batch))
         wall = time.perf_counter() - started
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
-    avg = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     phases = table(["phase", "host ms (incl. waits)", "calls"],
                    [[e.key, f"{e.cpu_time_total / 1e3:.1f}", e.count] for e in avg
                     if e.key.startswith("phase:") and e.device_type == DeviceType.CPU])
-    syncs, launches = host_syncs_and_launches(avg)
-    head = (f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms, host syncs {syncs}, "
+    head = (f"### {out}: profiled wall {wall * 1e3:.1f} ms, GPU kernels {gpu * 1e3:.1f} ms, host syncs {syncs}, "
             f"kernel launches {launches}\n\n{phases}")
     with open(out, "w") as f:
         f.write(head + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=90)

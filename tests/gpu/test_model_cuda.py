@@ -189,7 +189,6 @@ def test_log_prob_head_bf16_matches_fp64(tokens, vocab):
     assert rel(hidden.grad, h64.grad) < 2e-2 and rel(weight.grad, w64.grad) < 2e-2
 
 
-
 # --- the trainer's micro-batches (packed on the host) on CUDA -----------------------------------------------------
 def host_packed_micro_batch(model, lengths=(700, 90, 1300, 400)):
     """One micro-batch of a GRPO group packed on the host, as the trainer's `plan_step` packs it."""
