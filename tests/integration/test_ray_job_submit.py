@@ -18,6 +18,7 @@ import pytest
 
 from agentrl.net import free_port
 
+psutil = pytest.importorskip("psutil")
 pytest.importorskip("ray")
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
@@ -49,8 +50,6 @@ def ray_cluster():
 def cluster_processes(temp_dir: str) -> list:
     """The processes of the cluster started with `--temp-dir temp_dir`: each names that directory (or its session
     directory under it) on its command line. `ray stop` would stop every Ray cluster on the machine, a user's too."""
-    import psutil
-
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         try:
@@ -63,26 +62,40 @@ def cluster_processes(temp_dir: str) -> list:
 
 
 def stop_cluster(temp_dir: str, grace_s: float = 15.0) -> None:
-    import psutil
-
+    """SIGTERM, then SIGKILL what is still up after `grace_s`, and return only once every process is gone."""
     procs = cluster_processes(temp_dir)
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
+    for signal_them in ("terminate", "kill"):
+        for proc in procs:
+            try:
+                getattr(proc, signal_them)()
+            except psutil.NoSuchProcess:
+                pass
+        procs = wait_gone(procs, grace_s)
+    assert not procs, f"Ray processes survived SIGKILL for {grace_s} s: {[p.pid for p in procs]}"
+
+
+def wait_gone(procs: list, timeout_s: float) -> list:
+    """The processes still running after up to `timeout_s`. A zombie counts as gone: the cluster's processes are
+    not our children (`ray start` detaches them), so where nothing reaps them they stay zombies, and SIGKILL is
+    delivered asynchronously, so a killed process reads as running for a moment (CI once saw a raylet, killed
+    after its 15 s of SIGTERM grace, still running on the next line)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for proc in procs:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        procs = alive
+        time.sleep(0.1)
 
 
 def test_stopping_the_test_cluster_leaves_other_ray_processes_alone(ray_cluster, ray_session):
     """The session's own Ray instance (another cluster on this machine) survives the stop of this test's one."""
-    import psutil
-
     _, env = ray_cluster
 
     def running_ray() -> set[int]:  # a stopped process may linger as a zombie where nothing reaps it
