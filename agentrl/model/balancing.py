@@ -51,20 +51,38 @@ def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
     output, two syncs per call, and the MoE layer counts three times per forward (its expert order, and the load and
     margin histogram of Quantile Balancing). A scatter-add of ones into n counters needs no sizing; integer adds are
     exact in any order."""
-    return torch.zeros(n, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+    return add_counts(torch.zeros(n, dtype=torch.long, device=values.device), values)
+
+
+def add_counts(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """counts[v] += 1 for every v in `values` (int64, each a valid index), in place; returns `counts`. One kernel:
+    the ones are a single cached element, expanded."""
+    return counts.scatter_add_(0, values, _one(values.device).expand_as(values))
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.long, device=device)
+    return one
 
 
 def competitor_threshold(biased_scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     """α_ij: the K-th largest biased score among the experts other than j, shape [T, E].
 
-    From the top-(K+1) biased scores: the (K+1)-th for the selected experts, the K-th for the others.
+    From the top-(K+1) biased scores: the (K+1)-th for the experts in the top K, the K-th for the others. An expert
+    counts as in the top K when its score reaches the K-th: one that only ties it (and which topk left out) gets
+    the (K+1)-th, which then equals the K-th, so ties cannot change α.
     """
     num_experts = biased_scores_TE.shape[-1]
     if top_k >= num_experts:
         raise ValueError(f"top_k={top_k} must be smaller than the number of experts {num_experts}")
-    top = biased_scores_TE.topk(top_k + 1, dim=-1)
-    selected_TE = torch.zeros_like(biased_scores_TE, dtype=torch.bool).scatter_(1, top.indices[:, :top_k], True)
-    return torch.where(selected_TE, top.values[:, top_k, None], top.values[:, top_k - 1, None])
+    top = biased_scores_TE.topk(top_k + 1, dim=-1).values
+    kth = top[:, top_k - 1, None]
+    return torch.where(biased_scores_TE >= kth, top[:, top_k, None], kth)
 
 
 def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -119,33 +137,49 @@ class ExpertBalancer:
         self.method = method
         self.num_bins = num_bins
         self.sign_rate = sign_rate
-        self.hist_EB: torch.Tensor | None = None
-        self.load_E: torch.Tensor | None = None
+        self.hist_EB: torch.Tensor | None = None  # this step's margin histogram [E, B], int64 counts
+        self.load_E: torch.Tensor | None = None  # this step's tokens per expert [E], int64
+        self._binning_cache: tuple | None = None
         self.last_stats: BalancingStats | None = None  # global statistics of the last completed step
 
     @torch.no_grad()
     def observe(self, scores_TE: torch.Tensor, bias_E: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
-        """Adds one forward's router scores (unbiased sigmoid scores) and chosen experts."""
+        """Adds one forward's router scores (unbiased sigmoid scores) and chosen experts.
+
+        A dozen kernels a call (the short step is host-bound, and every MoE layer calls this once per forward and
+        once more per recomputation): the counts go straight into this step's integer counters, and the
+        histogram's range, which depends only on the bias, is computed once per bias.
+        """
         if self.method == "none":
             return
-        device = scores_TE.device
-        load_E = count_values(topk_idx_TK.reshape(-1), self.num_experts).to(torch.float64)
-        self.load_E = load_E if self.load_E is None else self.load_E + load_E
+        if self.load_E is None:  # the step's first forward
+            self.load_E = torch.zeros(self.num_experts, dtype=torch.long, device=scores_TE.device)
+            if self.method == "quantile":
+                self.hist_EB = torch.zeros(self.num_experts, self.num_bins, dtype=torch.long, device=scores_TE.device)
+        add_counts(self.load_E, topk_idx_TK.reshape(-1))
         if self.method != "quantile":
             return
+        lo, scale, offsets_E = self._binning(bias_E)
         scores_TE = scores_TE.float()
-        # read on the GPU: the bias is the same all step, and a host read here would stall every MoE layer's forward
-        lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
         margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E.float(), self.top_k)
-        bins_TE = ((margins_TE - lo) * (self.num_bins / (hi - lo))).long().clamp_(0, self.num_bins - 1)
-        flat = (bins_TE + torch.arange(self.num_experts, device=device) * self.num_bins).reshape(-1)
-        hist = count_values(flat, self.num_experts * self.num_bins).view(self.num_experts, self.num_bins)
-        hist = hist.to(torch.float64)
-        self.hist_EB = hist if self.hist_EB is None else self.hist_EB + hist
+        bins_TE = ((margins_TE - lo) * scale).long().clamp_(0, self.num_bins - 1)
+        add_counts(self.hist_EB.view(-1), (bins_TE + offsets_E).reshape(-1))
+
+    def _binning(self, bias_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lo, bins per unit of margin, each expert's first bin in the flat histogram) for this bias; 0-dim fp64
+        tensors and [E] int64, kept on the device (a host read here would stall every MoE layer's forward) and
+        recomputed when the bias is another tensor or has been written since."""
+        key = (bias_E, bias_E._version)
+        cached = self._binning_cache
+        if cached is None or cached[0] is not key[0] or cached[1] != key[1]:
+            lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
+            offsets_E = torch.arange(self.num_experts, device=bias_E.device) * self.num_bins
+            self._binning_cache = cached = (*key, (lo, self.num_bins / (hi - lo), offsets_E))
+        return cached[2]
 
     def stats(self) -> BalancingStats | None:
         """This rank's statistics since the last update."""
-        return None if self.load_E is None else _stats(self.load_E)
+        return None if self.load_E is None else _stats(self.load_E.double())
 
     def update(self, bias_E: torch.Tensor,
                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -162,8 +196,8 @@ class ExpertBalancer:
         if self.load_E is None:
             return torch.zeros(size, dtype=torch.float64, device=device)
         if self.method == "quantile":
-            return torch.cat([self.hist_EB.reshape(-1), self.load_E])
-        return self.load_E.clone()
+            return torch.cat([self.hist_EB.reshape(-1), self.load_E]).double()
+        return self.load_E.double()
 
     def reset(self) -> None:
         """Forgets what was observed since the last update (last_stats stays)."""

@@ -103,7 +103,8 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_shard(x_TD, shard), None
         cu_seqlens = fla_offsets(cu_seqlens)  # the forward's own object under ZeRO-3 too: fla caches by identity
         num_tokens = x_TD.shape[0]
-        q, k, v, g, beta, conv_state = self._inputs(x_TD, cu_seqlens, None if state is None else state.conv_NCW)
+        q, k, v, g, beta, conv_state = self._inputs(x_TD, cu_seqlens, None if state is None else state.conv_NCW,
+                                                    use_cache)
         initial = None if state is None else state.recurrent_NHKV
         num_seqs = cu_seqlens.numel() - 1
         if initial is not None and num_tokens == num_seqs:
@@ -122,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
         num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
         cu_seqlens = shard.cu_seqlens
         q, k, v, g, beta, _ = self._inputs(x_TD, cu_seqlens, lambda qkv: context_parallel.conv_tail(
-            qkv, self.conv_size, shard))
+            qkv, self.conv_size, shard), False)
         carried = shard.first_continues
         initial = None
         if carried:  # [S | X] with X = I: the extra columns carry the transition of the first sequence
@@ -140,14 +141,15 @@ class KimiDeltaAttention(nn.Module):
             o = context_parallel.depend_on(o, incoming)
         return self._output(x_TD, o)
 
-    def _inputs(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, conv_state) -> tuple:
-        """q, k, v [T, H, K], the log-decay g, β and the short convolution's final state. `conv_state`: the initial
-        state [N, C, W−1], None, or a function of the pre-convolution inputs that returns it."""
+    def _inputs(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, conv_state, final_conv_state: bool) -> tuple:
+        """q, k, v [T, H, K], the log-decay g, β and the short convolution's final state (None unless
+        `final_conv_state`). `conv_state`: the initial state [N, C, W−1], None, or a function of the pre-convolution
+        inputs that returns it."""
         num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         initial = conv_state(qkv) if callable(conv_state) else conv_state
-        qkv, final = short_conv(qkv, conv_w, cu_seqlens, initial)
+        qkv, final = short_conv(qkv, conv_w, cu_seqlens, initial, output_final_state=final_conv_state)
         q, k, v = qkv.split(H * K, dim=-1)
         beta = torch.sigmoid(self.b_proj(x_TD).to(torch.promote_types(x_TD.dtype, torch.float32)))
         return (l2norm(q.view(num_tokens, H, K)), l2norm(k.view(num_tokens, H, K)), v.view(num_tokens, H, K),

@@ -190,8 +190,8 @@ def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tenso
 
 
 def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor,
-               initial_state_NCW: torch.Tensor | None = None, activation: str | None = "silu"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               initial_state_NCW: torch.Tensor | None = None, activation: str | None = "silu",
+               output_final_state: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution over packed sequences, with a carried state.
 
     Args:
@@ -200,11 +200,13 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
         cu_seqlens: [N+1] sequence offsets into T.
         initial_state_NCW: the W−1 inputs that precede each sequence (oldest first), [N, C, W−1]; zeros if None.
         activation: "silu" or None.
+        output_final_state: whether to return the final state (decoding and chunked prefill carry it; training does
+            not, and gathering it is a dozen small kernels per layer on a host-bound step).
 
     Returns:
         y_TC, and the final state [N, C, W−1] (each sequence's last W−1 inputs, drawn from the initial state for
-        sequences shorter than W−1). Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype (the state in
-        the computing dtype).
+        sequences shorter than W−1), or None. Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype (the
+        state in the computing dtype).
 
     Without a carried state (training, prefill from scratch) on CUDA, y comes from fla's Triton causal_conv1d.
     """
@@ -215,6 +217,8 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
     if fused is not None and activation in ("silu", None) and num_tokens:
         y, _ = fused.causal_conv1d(x_TC[None], weight=weight_C1W.reshape(channels, width).to(x_TC.dtype),
                                    activation=activation, cu_seqlens=cu_seqlens)
+        if not output_final_state:
+            return y[0], None
         zeros = x_TC.new_zeros(num_seqs, channels, width - 1, dtype=torch.float32)
         return y[0], _final_conv_state(x_TC, zeros.transpose(1, 2), cu_seqlens, width)
     compute = torch.promote_types(x_TC.dtype, torch.float32)  # fp64 inputs stay fp64: tests check gradients tightly
@@ -235,7 +239,8 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unknown conv activation {activation!r}")
-    return y.to(x_TC.dtype), _final_conv_state(x, state_NWC, cu_seqlens, width)
+    final = _final_conv_state(x, state_NWC, cu_seqlens, width) if output_final_state else None
+    return y.to(x_TC.dtype), final
 
 
 def _final_conv_state(x: torch.Tensor, state_NWC: torch.Tensor, cu_seqlens: torch.Tensor, width: int

@@ -86,6 +86,8 @@ def test_short_conv_packed_matches_reference(dtype):
         return torch.cat([y.float().reshape(-1), state.reshape(-1)])
 
     check(fused, ref, [x, w], dtype)
+    y_only, nothing = short_conv(x, w, cu, output_final_state=False)  # training's call: fla's output alone
+    assert nothing is None and torch.equal(y_only, short_conv(x, w, cu)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

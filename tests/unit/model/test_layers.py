@@ -35,6 +35,10 @@ def test_short_conv_matches_conv1d_per_sequence_with_state():
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         torch.testing.assert_close(y0[s:e], conv_reference(x[s:e], w, torch.zeros(C, W - 1))[0], atol=1e-6,
                                    rtol=1e-5)
+    # training asks for no final state: the same outputs, and no state computed
+    for prev_or_none in (prev, None):
+        y_only, nothing = short_conv(x, w, cu, prev_or_none, output_final_state=False)
+        assert nothing is None and torch.equal(y_only, short_conv(x, w, cu, prev_or_none)[0])
 
 
 def per_sequence_attention(q, k, v, cu, scale):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from agentrl.model.balancing import (ExpertBalancer, count_values, exact_quantile_bias, histogram_quantile,
-                                     margin_range, update_biases)
+from agentrl.model.balancing import (ExpertBalancer, competitor_threshold, count_values, exact_quantile_bias,
+                                     histogram_quantile, margin_range, update_biases)
 from agentrl.model.config import preset_config
 from agentrl.model.moe import Router, SparseMoE, combine, dispatch, grouped_matmul, sort_by_expert
 
@@ -189,6 +189,42 @@ def test_count_values_equals_bincount(size, n):
     values = torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(size))
     got = count_values(values, n)
     assert got.dtype == torch.long and got.tolist() == torch.bincount(values, minlength=n).tolist()
+
+
+def test_competitor_threshold_is_the_kth_best_of_the_other_experts_even_with_ties():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(200, 10, generator=gen)
+    scores[:50] = torch.round(scores[:50] * 4) / 4  # coarse values: ties across the top-K boundary
+    scores[50:60] = 1.0  # a saturated router: every expert ties
+    for top_k in (1, 3, 9):
+        others = scores[:, None, :].expand(-1, 10, -1).clone()
+        others[:, torch.arange(10), torch.arange(10)] = float("-inf")  # expert j left out of row j
+        brute = others.topk(top_k, dim=-1).values[..., -1]
+        assert torch.equal(competitor_threshold(scores, top_k), brute)
+
+
+def test_the_histogram_range_follows_a_bias_written_in_place():
+    """observe keeps the histogram's range per bias; an update written into the same tensor must move it, as a new
+    bias tensor does."""
+    gen = torch.Generator().manual_seed(1)
+    scores = [torch.sigmoid(torch.randn(300, 12, generator=gen)) for _ in range(2)]
+    biases = [torch.zeros(12), torch.randn(12, generator=gen) * 0.5]
+    in_place, fresh = (ExpertBalancer(num_experts=12, top_k=3, num_bins=256) for _ in range(2))
+    bias = biases[0].clone()
+    for step_scores, step_bias in zip(scores, biases):
+        bias.copy_(step_bias)
+        in_place.observe(step_scores, bias, (step_scores + bias).topk(3).indices)
+        fresh.observe(step_scores, step_bias.clone(), (step_scores + step_bias).topk(3).indices)
+    assert in_place.hist_EB.sum() == 2 * 300 * 12 and in_place.load_E.sum() == 2 * 300 * 3
+    assert torch.equal(in_place.hist_EB, fresh.hist_EB) and torch.equal(in_place.load_E, fresh.load_E)
+    # and the bins are those of the margins under each step's own range
+    want = torch.zeros(12, 256, dtype=torch.long)
+    for step_scores, step_bias in zip(scores, biases):
+        lo, hi = margin_range(float(step_bias.max()), float(step_bias.min()))
+        margins = step_scores - competitor_threshold(step_scores + step_bias, 3)
+        for e in range(12):
+            want[e] += torch.histc(margins[:, e].double(), bins=256, min=lo, max=hi).long()
+    assert (in_place.hist_EB - want).abs().sum() <= 2  # histc and the bin arithmetic may round a boundary apart
 
 
 def _observed_balancers(seed: int, methods=("quantile", "sign", "quantile", "none")):
