@@ -5,9 +5,11 @@ On a GPU the `small` preset's 4K step is host-bound (docs/benchmarks.md, issue 2
 of kernels, 145 ms of wall time), so what it costs is roughly the number of operations the host dispatches. Every
 aten operation that is not a view is one (or a few) kernel launches on CUDA; this counts them without a GPU. The model
 branches on the device in a few places (fla's Triton kernels for KDA, its gate, norms and short convolution; torch's
-fused RMSNorm; the grouped GEMM): here those calls run through stand-ins that take the CUDA branch's place, compute
-with the PyTorch reference, and count as one fused call each instead of their reference's operations. The counts are
-exact and repeatable: no timing is involved, so one run per tree is the whole measurement.
+fused RMSNorm; the grouped GEMM; MLA's attention kernels): here those calls run through stand-ins that take the CUDA
+branch's place, compute with the PyTorch reference, and count as one fused call each instead of their reference's
+operations. What runs inside such a call on CUDA (fla's wrappers launch several kernels, and copy a strided input to
+a contiguous one) is not seen. The counts are exact and repeatable: no timing is involved, so one run per tree is the
+whole measurement.
 
     .venv/bin/python scripts/bench_host_ops.py                  # the `small` preset, 512 tokens
     .venv/bin/python scripts/bench_host_ops.py --checkpointing  # with activation checkpointing (forward runs twice)
@@ -27,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentrl.model import kda, kda_ops, layers, moe  # noqa: E402
+from agentrl.model import kda, kda_ops, layers, mla, moe  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
 
@@ -142,28 +144,44 @@ def _kda_kernel(q, k, v, g, beta, *, output_final_state, **kwargs):
 _cpu_kda = kda_ops.kda
 
 
-def _grouped_matmul(x_SK, w_ENK, counts_E):
-    # the CUDA branch's own operations before its one kernel: the offsets
-    torch.cumsum(counts_E, 0).to(torch.int32)
+def _group_ends(x_SK, counts_E):
+    return torch.cumsum(counts_E, 0).to(torch.int32) if x_SK.shape[0] else None  # the CUDA branch's operations
+
+
+def _grouped_matmul(x_SK, w_ENK, counts_E, ends_E=None):
+    if ends_E is None:  # a caller that did not compute the ends (or a tree from before `group_ends`)
+        _group_ends(x_SK, counts_E)
     return fused(lambda x, w: _reference(_cpu_grouped_matmul, x, w, counts_E), x_SK, w_ENK)
 
 
 _cpu_grouped_matmul = moe.grouped_matmul
 
 
+def _mla_attention(q, kv, k_pe, cu_seqlens, scale, **kwargs):
+    return fused(lambda q, kv, k_pe: _reference(_cpu_mla_attention, q, kv, k_pe, cu_seqlens, scale, **kwargs),
+                 q, kv, k_pe)
+
+
+_cpu_mla_attention = mla.mla_attention
+
+
 @contextlib.contextmanager
 def cuda_form():
     """The model's CUDA branches, taken on CPU through the stand-ins."""
-    saved = (layers.fla_op, kda.fla_op, kda_ops.kda, moe.grouped_matmul, layers.RMSNorm.forward)
+    saved = (layers.fla_op, kda.fla_op, kda_ops.kda, moe.grouped_matmul, getattr(moe, "group_ends", None),
+             mla.mla_attention, layers.RMSNorm.forward)
     layers.fla_op = kda.fla_op = _fla_op
     kda_ops.kda = _kda_kernel
     moe.grouped_matmul = _grouped_matmul
+    moe.group_ends = _group_ends
+    mla.mla_attention = _mla_attention
     layers.RMSNorm.forward = lambda self, x: fused(
         lambda x, w: layers.rms_norm_torch(x, w, self.variance_epsilon), x, self.weight)
     try:
         yield
     finally:
-        layers.fla_op, kda.fla_op, kda_ops.kda, moe.grouped_matmul, layers.RMSNorm.forward = saved
+        (layers.fla_op, kda.fla_op, kda_ops.kda, moe.grouped_matmul, moe.group_ends, mla.mla_attention,
+         layers.RMSNorm.forward) = saved
 
 
 def count(step) -> tuple[OpCounter, OpCounter]:
@@ -188,6 +206,8 @@ def parts(model, tokens: int):
     hidden = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
     kinds = [("KDA attention (with its norm)", lambda layer: layer.is_kda,
+              lambda layer, h: layer.attention(h, cu_seqlens, None, False)),
+             ("MLA attention (with its norm)", lambda layer: not layer.is_kda,
               lambda layer, h: layer.attention(h, cu_seqlens, None, False)),
              ("MoE feed-forward (with its norm)", lambda layer: layer.is_moe,
               lambda layer, h: layer.feed_forward(h, None)[0]),

@@ -26,7 +26,7 @@ from agentrl.model import context_parallel, kda_ops
 from agentrl.model.cache import KDAState
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
-from agentrl.model.layers import fla_offsets, fla_op, gated_rms_norm, l2norm, short_conv
+from agentrl.model.layers import fla_offsets, fla_op, gated_rms_norm, l2norm, linear_many, short_conv
 
 
 class KimiDeltaAttention(nn.Module):
@@ -71,9 +71,10 @@ class KimiDeltaAttention(nn.Module):
             dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def decay(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [T, H, K] in fp32 (on CUDA through fla's fused gate kernel, the same formulas)."""
-        z = self.f_b_proj(self.f_a_proj(x_TD))
+    def decay(self, fa_TK: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g [T, H, K] in fp32 from the low-rank factor f_a(x) (on CUDA through fla's fused
+        gate kernel, the same formulas)."""
+        z = self.f_b_proj(fa_TK)
         fused = fla_op(z, "fla.ops.kda.gate")
         if fused is not None:
             return fused.fused_kda_gate(z.view(-1, self.num_heads, self.head_dim), self.A_log, self.dt_bias,
@@ -103,8 +104,8 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_shard(x_TD, shard), None
         cu_seqlens = fla_offsets(cu_seqlens)  # the forward's own object under ZeRO-3 too: fla caches by identity
         num_tokens = x_TD.shape[0]
-        q, k, v, g, beta, conv_state = self._inputs(x_TD, cu_seqlens, None if state is None else state.conv_NCW,
-                                                    use_cache)
+        q, k, v, g, beta, gate, conv_state = self._inputs(x_TD, cu_seqlens,
+                                                          None if state is None else state.conv_NCW, use_cache)
         initial = None if state is None else state.recurrent_NHKV
         num_seqs = cu_seqlens.numel() - 1
         if initial is not None and num_tokens == num_seqs:
@@ -114,7 +115,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, final = self._kernel(q, k, v, g, beta, initial, use_cache, cu_seqlens)
         new_state = KDAState(conv_NCW=conv_state, recurrent_NHKV=final) if use_cache else None
-        return self._output(x_TD, o), new_state
+        return self._output(o, gate), new_state
 
     def _forward_shard(self, x_TD: torch.Tensor, shard: ContextShard) -> torch.Tensor:
         """The layer on a context-parallel slice: the kernel runs from zero states with K identity-initialised value
@@ -122,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
         incoming state, which corrects the outputs (context_parallel.py)."""
         num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
         cu_seqlens = shard.cu_seqlens
-        q, k, v, g, beta, _ = self._inputs(x_TD, cu_seqlens, lambda qkv: context_parallel.conv_tail(
+        q, k, v, g, beta, gate, _ = self._inputs(x_TD, cu_seqlens, lambda qkv: context_parallel.conv_tail(
             qkv, self.conv_size, shard), False)
         carried = shard.first_continues
         initial = None
@@ -139,21 +140,32 @@ class KimiDeltaAttention(nn.Module):
             o = o[..., :K] + torch.einsum("thk,hkv->thv", o[..., K:].to(incoming.dtype), incoming).to(o.dtype)
         else:  # nothing comes in; the exchange's backward is a collective all the same
             o = context_parallel.depend_on(o, incoming)
-        return self._output(x_TD, o)
+        return self._output(o, gate)
 
     def _inputs(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, conv_state, final_conv_state: bool) -> tuple:
-        """q, k, v [T, H, K], the log-decay g, β and the short convolution's final state (None unless
-        `final_conv_state`). `conv_state`: the initial state [N, C, W−1], None, or a function of the pre-convolution
-        inputs that returns it."""
+        """q, k, v [T, H, K], the log-decay g, β, the output gate's input [T, P] and the short convolution's final
+        state (None unless `final_conv_state`). `conv_state`: the initial state [N, C, W−1], None, or a function of
+        the pre-convolution inputs that returns it."""
         num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], dim=-1)
+        qkv, fa, b, gate = self._projections(x_TD)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         initial = conv_state(qkv) if callable(conv_state) else conv_state
         qkv, final = short_conv(qkv, conv_w, cu_seqlens, initial, output_final_state=final_conv_state)
         q, k, v = qkv.split(H * K, dim=-1)
-        beta = torch.sigmoid(self.b_proj(x_TD).to(torch.promote_types(x_TD.dtype, torch.float32)))
+        beta = torch.sigmoid(b.to(torch.promote_types(x_TD.dtype, torch.float32)))
+        if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank gate: its second factor
+            gate = self.g_b_proj(gate)
         return (l2norm(q.view(num_tokens, H, K)), l2norm(k.view(num_tokens, H, K)), v.view(num_tokens, H, K),
-                self.decay(x_TD), beta, final)
+                self.decay(fa), beta, gate, final)
+
+    def _projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections of x, one GEMM: q|k|v [T, 3P], the decay's first factor [T, K], β's logits [T, H] and
+        the output gate (K3's full-rank [T, P]; Kimi Linear's first factor [T, K])."""
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
+                   self.b_proj.weight, gate.weight)
+        sizes = [3 * self.num_heads * self.head_dim, *(w.shape[0] for w in weights[3:])]
+        return linear_many(x_TD, weights).split(sizes, dim=-1)
 
     def _kernel(self, q, k, v, g, beta, initial, final_state: bool, cu_seqlens):
         o, final = kda_ops.kda(q[None], k[None], v[None], g[None], beta[None], initial_state=initial,
@@ -162,11 +174,10 @@ class KimiDeltaAttention(nn.Module):
                                bounded=self.lower_bound is not None)
         return o[0], final
 
-    def _output(self, x_TD: torch.Tensor, o_THK: torch.Tensor) -> torch.Tensor:
+    def _output(self, o_THK: torch.Tensor, gate_TP: torch.Tensor) -> torch.Tensor:
         """y = W_o [RMSNorm_head(o) ⊙ σ(gate)]."""
-        num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
-        gate = self.g_proj(x_TD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_TD))
-        o = gated_rms_norm(o_THK, self.o_norm.weight, gate.view(num_tokens, H, K), self.norm_eps)
+        num_tokens, H, K = o_THK.shape
+        o = gated_rms_norm(o_THK, self.o_norm.weight, gate_TP.reshape(num_tokens, H, K), self.norm_eps)
         return self.o_proj(o.reshape(num_tokens, H * K))
 
 

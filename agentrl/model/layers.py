@@ -162,6 +162,35 @@ def glu(gate_up: torch.Tensor, act: str, situ_beta: float | None = None,
     raise ValueError(f"unknown activation {act!r}; expected 'silu' or 'situ'")
 
 
+def linear_many(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x @ [W_1; …; W_n]ᵀ: one input through several weights as one GEMM, [..., ΣN_i] (split it for each part).
+
+    A layer that projects one input several ways (KDA's q, k, v, gates and β; a GLU's gate and up) otherwise pays a
+    GEMM forward, two backward and an add into the input's gradient for each: on a host-bound step every launch
+    counts. The stacked weight is rebuilt in the backward instead of kept: it would hold a copy of all the weights
+    from each layer's forward to its backward.
+    """
+    return _LinearMany.apply(x, *weights)
+
+
+class _LinearMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad_y @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[1:]):
+            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            grad_weights = [g if needed else None for g, needed in
+                            zip(grad_w.split([w.shape[0] for w in weights]), ctx.needs_input_grad[1:])]
+        return grad_x, *grad_weights
+
+
 class MLP(nn.Module):
     """Dense gated MLP: down(glu(gate(x), up(x)))."""
 
@@ -176,7 +205,7 @@ class MLP(nn.Module):
         self.situ_linear_beta = situ_linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        gate_up = linear_many(x, (self.gate_proj.weight, self.up_proj.weight))
         return self.down_proj(glu(gate_up, self.act, self.situ_beta, self.situ_linear_beta))
 
 

@@ -22,7 +22,7 @@ from agentrl.model import context_parallel, mla_kernels
 from agentrl.model.cache import MLAState
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
-from agentrl.model.layers import RMSNorm, sequence_ids
+from agentrl.model.layers import RMSNorm, linear_many, sequence_ids
 
 # A block-diagonal mask over all packed tokens costs T² scores; above this many tokens a loop over the sequences
 # (each its own causal SDPA) is cheaper.
@@ -163,6 +163,16 @@ class GatedMLA(nn.Module):
                        if config.mla_use_output_gate else None)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
 
+    def _projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The projections of x, one GEMM: the queries (their low-rank first factor when q_lora_rank is set), the
+        latent [T, R], k_pe [T, P] and the output gate's logits (None without the gate)."""
+        q_first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        weights = (q_first.weight, self.kv_a_proj_with_mqa.weight) + (
+            () if self.g_proj is None else (self.g_proj.weight,))
+        sizes = [q_first.weight.shape[0], self.kv_rank, self.pe_dim, *[w.shape[0] for w in weights[2:]]]
+        parts = linear_many(x_TD, weights).split(sizes, dim=-1)
+        return parts[0], parts[1], parts[2], parts[3] if self.g_proj is not None else None
+
     def _kv(self, latent_LR: torch.Tensor) -> torch.Tensor:
         """kv_b_proj's output per head, [L, H, E+V]: k_nope | v."""
         return self.kv_b_proj(latent_LR).view(-1, self.num_heads, self.nope_dim + self.v_dim)
@@ -177,9 +187,10 @@ class GatedMLA(nn.Module):
         the queries attend over their sequences' keys on every rank (context_parallel.py)."""
         num_tokens = x_TD.shape[0]
         qk_dim = self.nope_dim + self.pe_dim
-        q = self.q_proj(x_TD) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q, latent, k_pe, gate = self._projections(x_TD)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(num_tokens, self.num_heads, qk_dim)
-        latent, k_pe = self.kv_a_proj_with_mqa(x_TD).split([self.kv_rank, self.pe_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         if shard is not None:
             if state is not None or use_cache:
@@ -198,8 +209,8 @@ class GatedMLA(nn.Module):
                                      k_pe=[k_pe[s:e] for s, e in zip(bounds[:-1], bounds[1:])])
         else:
             o, new_state = self._attend_with_cache(q, latent, k_pe, cu_seqlens, state)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x_TD)).view(num_tokens, self.num_heads, self.v_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate).view(num_tokens, self.num_heads, self.v_dim)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.v_dim)), new_state if use_cache else None
 
     def _attend_with_cache(self, q_THE: torch.Tensor, latent_TR: torch.Tensor, k_pe_TP: torch.Tensor,

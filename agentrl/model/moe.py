@@ -118,9 +118,10 @@ class RoutedExperts(nn.Module):
 
         The expert-parallel layer (expert_parallel.py) calls this on the rows it received for its local experts.
         """
-        h = grouped_matmul(x_SM, self.w13_weight, counts_E)
+        ends_E = group_ends(x_SM, counts_E)
+        h = grouped_matmul(x_SM, self.w13_weight, counts_E, ends_E)
         h = glu(h, self.act, self.situ_beta, self.situ_linear_beta)
-        return grouped_matmul(h, self.w2_weight, counts_E)
+        return grouped_matmul(h, self.w2_weight, counts_E, ends_E)
 
 
 class ExpertOrder(NamedTuple):
@@ -192,17 +193,28 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def group_ends(x_SK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor | None:
+    """Where each expert's rows end (int32 [E]), as `torch._grouped_mm` takes them, when `grouped_matmul` will call
+    it on x; else None. Computed once for both of an expert FFN's GEMMs."""
+    if x_SK.is_cuda and hasattr(torch, "_grouped_mm") and x_SK.dtype == torch.bfloat16 and x_SK.shape[0]:
+        return torch.cumsum(counts_E, 0).to(torch.int32)
+    return None
+
+
+def grouped_matmul(x_SK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor,
+                   ends_E: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x sorted by expert, times each expert's weight transposed: y[rows of e] = x[rows of e] @ w[e]ᵀ.
 
-    On CUDA (bf16) one `torch._grouped_mm` call; elsewhere a split over the experts that received rows (its backward
-    on CPU rejects the broadcast gradients autograd produces, and the split is as fast there).
+    On CUDA (bf16) one `torch._grouped_mm` call (`ends_E`: `group_ends`' result, when the caller has it);
+    elsewhere a split over the experts that received rows (its backward on CPU rejects the broadcast gradients
+    autograd produces, and the split is as fast there).
     """
     if x_SK.shape[0] == 0:  # no rows (an expert-parallel rank that received none): keep the weights in the graph,
         return x_SK @ w_ENK[0].t()  # so they get a zero gradient like every other rank's and DeepSpeed reduces all
-    if x_SK.is_cuda and hasattr(torch, "_grouped_mm") and x_SK.dtype == torch.bfloat16:
-        offsets = torch.cumsum(counts_E, 0).to(torch.int32)
-        return torch._grouped_mm(x_SK, w_ENK.transpose(1, 2), offs=offsets)
+    if ends_E is None:
+        ends_E = group_ends(x_SK, counts_E)
+    if ends_E is not None:
+        return torch._grouped_mm(x_SK, w_ENK.transpose(1, 2), offs=ends_E)
     parts = torch.split(x_SK, counts_E.tolist())
     return torch.cat([part @ w_ENK[e].t() for e, part in enumerate(parts) if part.shape[0]])
 

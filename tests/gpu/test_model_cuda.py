@@ -268,3 +268,24 @@ def test_a_context_slice_made_on_the_host_runs_on_cuda_and_matches_the_whole(tmp
         dist.destroy_process_group()
     err = ((piece.float() - whole.float()).norm() / whole.float().norm()).item()
     assert err < tolerance, err
+
+
+def test_quantile_balancing_counts_on_cuda_as_on_cpu():
+    """The balancer's counters grow by a scatter-add of one expanded element (no ones tensor per call): on CUDA the
+    loads equal bincount's and the histogram the CPU's."""
+    from agentrl.model.balancing import ExpertBalancer
+
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(64, generator=gen) * 0.05
+    balancers = {device: ExpertBalancer(num_experts=64, top_k=8, num_bins=1024) for device in ("cpu", "cuda")}
+    selected = []
+    for _ in range(2):
+        scores = torch.sigmoid(torch.randn(3000, 64, generator=gen))
+        idx = (scores + bias).topk(8).indices
+        selected.append(idx)
+        for device, balancer in balancers.items():
+            balancer.observe(scores.to(device), bias.to(device), idx.to(device))
+    cpu, cuda = balancers["cpu"], balancers["cuda"]
+    assert cuda.load_E.cpu().tolist() == torch.bincount(torch.cat(selected).reshape(-1), minlength=64).tolist()
+    assert cuda.hist_EB.sum().item() == 2 * 3000 * 64
+    assert (cuda.hist_EB.cpu() - cpu.hist_EB).abs().sum().item() <= 4  # a margin on a bin boundary may round apart

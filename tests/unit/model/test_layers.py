@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.model.attn_res import BlockState, attn_res_mix, attn_res_query
-from agentrl.model.layers import RMSNorm, fla_offsets, glu, short_conv
+from agentrl.model.layers import RMSNorm, fla_offsets, glu, linear_many, short_conv
 from agentrl.model import mla_kernels
 from agentrl.model.mla import mla_attention, varlen_causal_attention
 
@@ -181,3 +181,22 @@ def test_fla_offsets_maps_an_alias_back_and_nothing_else():
     with torch.inference_mode():  # serving's tensors have no version counter: passed through as they are
         served = torch.tensor([0, 5], dtype=torch.int32)
         assert fla_offsets(served) is served
+
+
+def test_linear_many_equals_each_linear_with_its_gradients():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 12, dtype=torch.float64, generator=gen, requires_grad=True)  # batch dims pass through
+    weights = [torch.randn(n, 12, dtype=torch.float64, generator=gen, requires_grad=True) for n in (5, 1, 8)]
+    weights[1].requires_grad_(False)  # a frozen part gets no gradient, the others theirs
+    y = linear_many(x, tuple(weights))
+    want = [x @ w.t() for w in weights]
+    assert y.shape == (2, 7, 14)
+    for got, expected in zip(y.split([5, 1, 8], dim=-1), want):
+        torch.testing.assert_close(got, expected)
+    grad = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+    got = torch.autograd.grad(y, [x, weights[0], weights[2]], grad)
+    expected = torch.autograd.grad(torch.cat(want, dim=-1), [x, weights[0], weights[2]], grad)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(lambda x, w0, w2: linear_many(x, (w0, weights[1], w2)),
+                                    (x[0, :3].detach().requires_grad_(), weights[0], weights[2]))
