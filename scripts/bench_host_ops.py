@@ -13,6 +13,13 @@ whole measurement.
 
     .venv/bin/python scripts/bench_host_ops.py                  # the `small` preset, 512 tokens
     .venv/bin/python scripts/bench_host_ops.py --checkpointing  # with activation checkpointing (forward runs twice)
+    .venv/bin/python scripts/bench_host_ops.py --trainer        # DeepSpeed's step (one rank) against the bare one
+
+`--trainer` counts a `PolicyTrainer.step` (ZeRO-2 and ZeRO-3, one rank on gloo, gradient checkpointing on, as the
+trainer defaults) against the bare forward + backward of the same packed micro-batch (issue 26, item 3: DeepSpeed's
+cost around the step), and lists the call sites in DeepSpeed and in agentrl's trainer that dispatch the most.
+DeepSpeed's CPU accelerator runs without `overlap_comm` (no side stream), and the bare step's AdamW runs the
+foreach form (fused AdamW is CUDA's), so the optimizer rows are CPU's, not CUDA's.
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ import collections
 import contextlib
 import os
 import sys
+import tempfile
+import traceback
 from types import SimpleNamespace
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's agentrl
 
 from agentrl.model import kda, kda_ops, layers, mla, moe  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
@@ -40,19 +51,48 @@ _NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "select", "sl
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten operations that would launch kernels, and the stand-in fused calls, while active."""
+    """Counts the aten operations that would launch kernels, and the stand-in fused calls, while active; with
+    `sites`, also the innermost frame of each under a path containing one of them."""
 
-    def __init__(self):
+    def __init__(self, sites: tuple[str, ...] = ()):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.fused = 0
         self.paused = 0
+        self.sites = sites
+        self.by_site: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.paused and name not in _NO_KERNEL:
             self.ops[name] += 1
+            if self.sites:
+                stack = traceback.extract_stack()[:-1]
+                frames = [f for f in stack if any(s in f.filename for s in self.sites)]
+                if frames and not _the_models(frames[-1], stack):
+                    where = frames[-1]
+                    path = where.filename.split("site-packages/")[-1].replace(_ROOT + "/", "").replace(
+                        os.path.dirname(_ROOT) + "/", "")
+                    self.by_site[(name, f"{path}:{where.lineno} {where.name}")] += 1
         return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values()) + self.fused
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _the_models(innermost, stack) -> bool:
+    """Whether an operation is the model's own (the bare step has it too): issued by the model's code, or by
+    autograd, inside the trainer's forward of a micro-batch or DeepSpeed's backward of its loss. DeepSpeed's
+    gradient hooks run inside that backward too, and stay counted."""
+    def model_pass(frame) -> bool:
+        return ((frame.filename.endswith("trainer/forward.py") and frame.name == "forward")
+                or (frame.filename.endswith("deepspeed/runtime/engine.py") and frame.name == "backward"))
+
+    return model_pass(innermost) or ("agentrl/model/" in innermost.filename and any(model_pass(f) for f in stack))
 
 
 _COUNTER: list[OpCounter] = []
@@ -184,9 +224,9 @@ def cuda_form():
          layers.RMSNorm.forward) = saved
 
 
-def count(step) -> tuple[OpCounter, OpCounter]:
+def count(step, sites: tuple[str, ...] = ()) -> tuple[OpCounter, OpCounter]:
     """The operations of `step()`'s forward (it returns a scalar loss) and of its backward."""
-    forward, backward = OpCounter(), OpCounter()
+    forward, backward = OpCounter(sites), OpCounter(sites)
     for counter, run in ((forward, step), (backward, None)):
         _COUNTER.append(counter)
         try:
@@ -198,6 +238,17 @@ def count(step) -> tuple[OpCounter, OpCounter]:
         finally:
             _COUNTER.pop()
     return forward, backward
+
+
+def count_call(fn, sites: tuple[str, ...] = ()) -> OpCounter:
+    counter = OpCounter(sites)
+    _COUNTER.append(counter)
+    try:
+        with counter:
+            fn()
+    finally:
+        _COUNTER.pop()
+    return counter
 
 
 def parts(model, tokens: int):
@@ -220,37 +271,123 @@ def parts(model, tokens: int):
                                         f(layer, hidden.detach().requires_grad_()).float().sum())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--checkpointing", action="store_true", help="the layer's forward recomputed in backward")
-    args = parser.parse_args()
+def bench_layers(preset: str, tokens: int, checkpointing: bool) -> None:
     torch.manual_seed(0)
-    model = HybridMoEForCausalLM(preset_config(args.preset)).to(torch.bfloat16).train()
+    model = HybridMoEForCausalLM(preset_config(preset)).to(torch.bfloat16).train()
     rows = []
     with cuda_form():
-        for name, num_layers, step in parts(model, args.tokens):
-            if args.checkpointing:
+        for name, num_layers, step in parts(model, tokens):
+            if checkpointing:
                 plain = step
                 step = lambda plain=plain: torch.utils.checkpoint.checkpoint(plain, use_reentrant=False)  # noqa: E731
             count(step)  # a first call: lazily built state (the balancer's counters) is not a step's cost
             model.zero_grad(set_to_none=True)
             fwd, bwd = count(step)
             model.zero_grad(set_to_none=True)
-            ops = sum(fwd.ops.values()) + sum(bwd.ops.values())
+            per_layer = fwd.total + bwd.total
             rows.append([name, num_layers, sum(fwd.ops.values()), sum(bwd.ops.values()), fwd.fused, bwd.fused,
-                         ops + fwd.fused + bwd.fused, num_layers * (ops + fwd.fused + bwd.fused)])
+                         per_layer, num_layers * per_layer])
             top = (fwd.ops + bwd.ops).most_common(8)
             print(f"  {name}: most frequent: " + ", ".join(f"{op} {n}" for op, n in top), flush=True)
-    head = ["part", "layers", "aten ops fwd", "aten ops bwd", "fused calls fwd", "fused calls bwd",
-            "dispatches per layer", "× layers"]
-    print(f"\n### Host dispatches per layer, `{args.preset}` preset, {args.tokens} tokens, bf16, CPU in the CUDA form"
-          + (", activation checkpointing" if args.checkpointing else "") + "\n")
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(str(x) for x in row) + " |")
-    print(f"| all layers | {sum(r[1] for r in rows)} | | | | | | {sum(r[7] for r in rows)} |")
+    print(f"\n### Host dispatches per layer, `{preset}` preset, {tokens} tokens, bf16, CPU in the CUDA form"
+          + (", activation checkpointing" if checkpointing else "") + "\n")
+    print(_table(["part", "layers", "aten ops fwd", "aten ops bwd", "fused calls fwd", "fused calls bwd",
+                  "dispatches per layer", "× layers"],
+                 rows + [["all layers", sum(r[1] for r in rows), "", "", "", "", "", sum(r[7] for r in rows)]]))
+
+
+def _trainer_batch(vocab: int, tokens: int, sequences: int = 8) -> list:
+    """`sequences` trajectories in two GRPO groups that pack to `tokens` training tokens (bench_gpu.py's batch)."""
+    import numpy as np
+
+    from agentrl.types import Trajectory
+
+    rng = np.random.default_rng(0)
+    batch = []
+    for i in range(sequences):
+        t = Trajectory(trajectory_id=f"t{i}", task_id=f"g{i % 2}", group_id=f"g{i % 2}", env_id="bench",
+                       reward=float(i % 3))
+        sampled = tokens // sequences + 1 - 64
+        t.append_prompt(rng.integers(0, vocab, 64).tolist())
+        t.append_sampled(rng.integers(0, vocab, sampled).tolist(), (-8.0 - rng.random(sampled)).tolist(), version=0)
+        batch.append(t)
+    return batch
+
+
+def bench_trainer(preset: str, tokens: int, top: int) -> None:
+    """DeepSpeed's step on one rank against the bare forward + backward (and + AdamW) of the same micro-batches."""
+    from agentrl.net import free_port
+    from agentrl.trainer import PolicyTrainer, TrainerConfig
+    from agentrl.trainer.batching import plan_step
+    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+    from agentrl.trainer.losses import LossConfig, grpo_advantages
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    config = preset_config(preset)
+    batch = _trainer_batch(config.vocab_size, tokens)
+    sites = ("deepspeed/", "/trainer/", "/agentrl/model/")
+    rows, site_rows = [], []
+    with cuda_form():
+        torch.manual_seed(0)
+        model = HybridMoEForCausalLM(config).to(torch.bfloat16).train()
+        model.gradient_checkpointing_enable()
+        loss = LossConfig()
+        plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
+                         token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
+                         num_moe_layers=len(model.moe_layers))
+        adam = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+
+        def bare(with_adam: bool) -> None:
+            for micro in plan.per_rank[0]:
+                micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu").loss.backward()
+            if with_adam:
+                adam.step()
+            model.zero_grad(set_to_none=True)
+
+        bare(True)
+        bare_ops = count_call(lambda: bare(False)).total
+        rows.append(["bare fwd+bwd", bare_ops, "", "", ""])
+        rows.append(["bare + AdamW (foreach)", count_call(lambda: bare(True)).total, "", "", ""])
+        for stage in (2, 3):
+            with tempfile.TemporaryDirectory() as run_dir:
+                trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=stage, dtype="bf16", lr=1e-6,
+                                                      micro_batch_tokens=tokens), config)
+                for _ in range(2):  # ZeRO-3 records its parameter trace over the first steps
+                    trainer.step(batch)
+                counter = count_call(lambda: trainer.step(batch), sites)
+                trainer.close()
+            syncs = counter.ops["_local_scalar_dense"]
+            rows.append([f"ZeRO-{stage} step", counter.total, counter.total - bare_ops, syncs])
+            outside = sum(counter.by_site.values())
+            rows[-1].append(outside)
+            site_rows += [[f"ZeRO-{stage}", op, f"`{site}`", n] for (op, site), n in counter.by_site.most_common(top)]
+    print(f"\n### Host dispatches of one training step, `{preset}` preset, {tokens} tokens in "
+          f"{len(plan.per_rank[0])} micro-batch(es), one rank, CPU in the CUDA form\n")
+    print(_table(["step", "dispatches", "over the bare step", "scalar reads (host syncs on CUDA)",
+                  "outside the model's forward and backward"], rows))
+    print(f"\n### Where the dispatches outside the model's forward and backward come from (DeepSpeed, the trainer, "
+          f"Quantile Balancing's update), top {top} per stage\n")
+    print(_table(["step", "aten op", "innermost DeepSpeed / trainer frame", "calls"], site_rows))
+
+
+def _table(head: list, rows: list) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--tokens", type=int, default=None, help="512 per layer; 1024 for --trainer")
+    parser.add_argument("--checkpointing", action="store_true", help="the layer's forward recomputed in backward")
+    parser.add_argument("--trainer", action="store_true", help="DeepSpeed's step against the bare one")
+    parser.add_argument("--top", type=int, default=12, help="--trainer: call sites listed per stage")
+    args = parser.parse_args()
+    if args.trainer:
+        bench_trainer(args.preset, args.tokens or 1024, args.top)
+    else:
+        bench_layers(args.preset, args.tokens or 512, args.checkpointing)
 
 
 if __name__ == "__main__":
