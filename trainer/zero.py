@@ -45,6 +45,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace  # noqa: E402
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 from deepspeed.runtime.zero.utils import get_norm_dtype  # noqa: E402
 from deepspeed.utils import groups, set_z3_leaf_modules  # noqa: E402
@@ -186,18 +187,35 @@ def _norm_checks_overflow(partition_gradients: bool = True) -> None:
 
 
 def _norm_in_one_pass(optimizer) -> None:
-    """ZeRO-1/2: the global gradient norm from one multi-tensor kernel instead of one norm per gradient.
+    """The global gradient norm from one multi-tensor kernel instead of one norm per gradient (ZeRO-1/2 and 3).
 
-    DeepSpeed's `get_grad_norm_direct` copies each gradient to fp64, takes its norm and moves the result, three ops
-    per tensor (~650 launches for the `small` preset's 215 parameters) in a step that is host-bound at short lengths.
-    `torch._foreach_norm` gives the same per-tensor norms, accumulated in the same dtype, from a few launches; what
-    follows (the sum of squares, the all-reduces over the data- and model-parallel groups, the root, non-finite
-    masked to -1) is DeepSpeed's. Parameters that DeepSpeed would skip or count specially (pipeline-replicated ones,
-    model-parallel ranks other than 0) never occur in agentrl; if they did, its own method runs."""
+    DeepSpeed's `get_grad_norm_direct` copies each gradient to fp64 and takes its norm, two or three ops per tensor
+    (~650 launches for the `small` preset's 215 parameters under ZeRO-2, 430 under ZeRO-3) in a step that is
+    host-bound at short lengths. `torch._foreach_norm` gives the same per-tensor norms, accumulated in the same
+    dtype, from a few launches; what follows (the sum of squares, the all-reduces, the root, non-finite masked to -1)
+    is DeepSpeed's. Parameters that DeepSpeed would skip or count specially (pipeline-replicated ones, tensor- or
+    model-parallel ranks, AutoEP experts) never occur in agentrl; if they did, its own method runs."""
     if isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload:
         per_tensor = optimizer.get_grad_norm_direct
         optimizer.get_grad_norm_direct = lambda gradients, params, norm_type=2: _global_grad_norm(
             optimizer, per_tensor, gradients, params, norm_type)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not optimizer.offload_optimizer:
+        per_tensor = optimizer.get_grad_norm_direct
+        optimizer.get_grad_norm_direct = lambda gradients, params, norm_type=2: _global_grad_norm_stage3(
+            optimizer, per_tensor, gradients, params, norm_type)
+
+
+def _sum_of_squared_norms(gradients) -> torch.Tensor | None:
+    """Σ‖g‖² over the gradients in get_norm_dtype() (each norm accumulated in that dtype, as DeepSpeed's), on this
+    rank's device; None for no gradients."""
+    norm_dtype = get_norm_dtype()
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in gradients:  # the multi-tensor kernel takes one device and dtype per call
+        by_kind.setdefault((g.device, g.dtype), []).append(g.detach())
+    device = torch.device(get_accelerator().current_device_name())
+    squares = [torch.stack(torch._foreach_norm(group, 2, dtype=norm_dtype)).square().sum().to(device)
+               for group in by_kind.values()]
+    return torch.stack(squares).sum() if squares else None
 
 
 def _global_grad_norm(optimizer, per_tensor, gradients, params, norm_type=2) -> torch.Tensor:
@@ -205,20 +223,33 @@ def _global_grad_norm(optimizer, per_tensor, gradients, params, norm_type=2) -> 
     if (float(norm_type) != 2.0 or optimizer.model_parallel_rank != 0
             or any(getattr(p, "ds_pipe_replicated", False) for p in params)):
         return per_tensor(gradients, params, norm_type)
-    grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
-    norm_dtype = get_norm_dtype()
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:  # the multi-tensor kernel takes one device and dtype per call
-        by_kind.setdefault((g.device, g.dtype), []).append(g.detach())
+    squares = _sum_of_squared_norms([g for g in gradients if not getattr(g, "_zero_padding", False)])
     device = torch.device(get_accelerator().current_device_name())
-    squares = [torch.stack(torch._foreach_norm(group, 2, dtype=norm_dtype)).square().sum().to(device)
-               for group in by_kind.values()]
-    total = torch.stack(squares).sum().float() if squares else torch.zeros((), dtype=torch.float32, device=device)
+    total = squares.float() if squares is not None else torch.zeros((), dtype=torch.float32, device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
     optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
     total = total.sqrt()
     mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
     return total
+
+
+def _global_grad_norm_stage3(optimizer, per_tensor, gradients, params, norm_type=2) -> torch.Tensor:
+    """ZeRO-3's `get_grad_norm_direct` for the 2-norm without tensor parallelism or AutoEP: each rank's partitions
+    all count, summed over the partition group, the root taken as DeepSpeed takes it (`** 0.5`, in the norm dtype),
+    -1 for a non-finite norm."""
+    params = list(params)
+    if (float(norm_type) != 2.0 or not params or optimizer.model_parallel_group is not None
+            or optimizer.model_parallel_rank != 0 or optimizer._autoep_expert_parallel_group(params) is not None):
+        return per_tensor(gradients, params, norm_type)
+    optimizer._assert_same_partition_group(params)
+    total = _sum_of_squared_norms(gradients)
+    if total is None:
+        return per_tensor(gradients, params, norm_type)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer._get_param_partition_group(params[0]))
+    optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total ** 0.5
+    not_finite = total.isinf().logical_or(total.isnan())
+    return torch.where(not_finite, torch.tensor(-1.0, device=optimizer.device, dtype=torch.float), total)
 
 
 def _group_key(name: str) -> str:

@@ -81,12 +81,13 @@ def test_small_preset_deepspeed_step_on_one_gpu(tmp_path):
         trainer.close()
 
 
-def test_the_one_pass_gradient_norm_is_deepspeeds_on_cuda(tmp_path):
-    """The multi-tensor kernel behind trainer/zero.py's ZeRO-2 gradient norm (CUDA's fast path, bf16 gradients
-    accumulated in fp64) gives DeepSpeed's per-tensor norm for every parameter group of the `small` preset."""
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_the_one_pass_gradient_norm_is_deepspeeds_on_cuda(tmp_path, zero_stage):
+    """The multi-tensor kernel behind trainer/zero.py's gradient norm (CUDA's fast path, bf16 gradients accumulated
+    in fp64) gives DeepSpeed's per-tensor norm for every parameter group of the `small` preset, ZeRO-2 and 3."""
     from agentrl.trainer import PolicyTrainer
 
-    trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=2), preset_config("small"))
+    trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=zero_stage), preset_config("small"))
     try:
         seen = record_both_norms(trainer.engine.optimizer)
         trainer.step(make_batch(trainer.policy.config.vocab_size))

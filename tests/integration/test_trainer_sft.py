@@ -159,12 +159,12 @@ def test_a_step_whose_gradient_is_not_finite_changes_nothing_and_the_next_one_tr
         trainer.close()
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_the_one_pass_gradient_norm_is_deepspeeds_per_tensor_norm(model_dir, tmp_path, dtype):  # noqa: F811
-    """trainer/zero.py computes ZeRO-2's global gradient norm with one multi-tensor kernel: on the same gradients
-    it gives what DeepSpeed's per-tensor method gives for each parameter group, finite and (one inf in one
-    gradient) the -1 that marks an overflow."""
-    trainer = one_rank_trainer(model_dir, tmp_path, dtype=dtype)
+@pytest.mark.parametrize("zero_stage, dtype", [(2, "bf16"), (2, "fp32"), (3, "bf16")])
+def test_the_one_pass_gradient_norm_is_deepspeeds_per_tensor_norm(model_dir, tmp_path, zero_stage, dtype):  # noqa: F811
+    """trainer/zero.py computes the global gradient norm with one multi-tensor kernel (ZeRO-2 and ZeRO-3): on the
+    same gradients it gives what DeepSpeed's per-tensor method gives for each parameter group, finite and (one inf
+    in one gradient) the -1 that marks an overflow."""
+    trainer = one_rank_trainer(model_dir, tmp_path, dtype=dtype, zero_stage=zero_stage)
     sft = LossConfig(kind="sft")
     try:
         seen = record_both_norms(trainer.engine.optimizer)
