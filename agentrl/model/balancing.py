@@ -93,10 +93,11 @@ def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: in
     return b_hat_E - b_hat_E.mean()
 
 
-def histogram_quantile(hist_EB: torch.Tensor, lo: float, hi: float, q: float) -> torch.Tensor:
+def histogram_quantile(hist_EB: torch.Tensor, lo, hi, q: float) -> torch.Tensor:
     """The q-quantile of each row's distribution from its histogram over [lo, hi] with equal-width bins.
 
-    Linear interpolation inside the bin that crosses q·count; exact to within one bin width.
+    Linear interpolation inside the bin that crosses q·count; exact to within one bin width. `lo` and `hi`: floats,
+    or fp64 [E, 1] tensors for a range per row (several layers' histograms at once).
     """
     num_bins = hist_EB.shape[-1]
     width = (hi - lo) / num_bins
@@ -192,12 +193,14 @@ class ExpertBalancer:
     def _packed(self, device: torch.device) -> torch.Tensor:
         """This step's statistics as one float64 vector ([E·B histogram,] E loads); zeros when nothing was observed,
         so that a rank that only ran padding micro-batches still joins the step's collective."""
-        size = self.num_experts * (self.num_bins + 1 if self.method == "quantile" else 1)
+        return torch.cat(self._counts(device)).double()
+
+    def _counts(self, device: torch.device) -> list[torch.Tensor]:
+        """([the flat histogram,] the loads), int64; zeros of those sizes when nothing was observed."""
         if self.load_E is None:
-            return torch.zeros(size, dtype=torch.float64, device=device)
-        if self.method == "quantile":
-            return torch.cat([self.hist_EB.reshape(-1), self.load_E]).double()
-        return self.load_E.double()
+            size = self.num_experts * (self.num_bins + 1 if self.method == "quantile" else 1)
+            return [torch.zeros(size, dtype=torch.long, device=device)]
+        return [self.hist_EB.reshape(-1), self.load_E] if self.method == "quantile" else [self.load_E]
 
     def reset(self) -> None:
         """Forgets what was observed since the last update (last_stats stays)."""
@@ -224,30 +227,53 @@ def update_biases(balancers: Sequence[ExpertBalancer], biases_E: Sequence[torch.
             b.reset()
     if not active:
         return new_biases
-    parts = [balancers[i]._packed(biases_E[i].device) for i in active]
-    packed = torch.cat(parts)
+    parts = [balancers[i]._counts(biases_E[i].device) for i in active]
+    packed = torch.cat([t for part in parts for t in part]).double()
     if all_reduce is not None:
         all_reduce(packed)
-    pieces = packed.split([p.numel() for p in parts])
-    loads = [piece[-balancers[i].num_experts:] for i, piece in zip(active, pieces)]
+    pieces = packed.split([sum(t.numel() for t in part) for part in parts])
+    # the layers' statistics side by side, one group per shape (a model's MoE layers share theirs): the figures
+    # and quantiles of all layers come from a few operations, not a few dozen per layer
+    by_experts: dict[int, list[int]] = {}
+    for j, i in enumerate(active):
+        by_experts.setdefault(balancers[i].num_experts, []).append(j)
+    loads_of: dict[int, torch.Tensor] = {}
+    figures_of: list[torch.Tensor] = []
+    order: list[int] = []
+    for num_experts, members in by_experts.items():
+        loads_LE = torch.stack([pieces[j][-num_experts:] for j in members])  # a copy: the stats keep its rows
+        bias_LE = torch.stack([biases_E[active[j]] for j in members]).double()
+        figures_of.append(torch.stack([loads_LE.sum(-1), loads_LE.amax(-1), loads_LE.mean(-1), bias_LE.amax(-1),
+                                       bias_LE.amin(-1)], dim=1))
+        loads_of.update({j: row for j, row in zip(members, loads_LE)})
+        order += members
     # one host read for every layer: total load (zero: nothing routed), max and mean load, and the bias's extremes
     # (the margin range of a layer this rank did not observe: it depends only on the bias, the same on every rank)
-    figures = torch.stack([torch.stack([load_E.sum(), load_E.max(), load_E.mean(), biases_E[i].max().double(),
-                                        biases_E[i].min().double()]) for i, load_E in zip(active, loads)]).tolist()
-    for i, piece, load_E, (total, most, mean, bias_max, bias_min) in zip(active, pieces, loads, figures):
+    figures = dict(zip(order, torch.cat(figures_of).tolist()))
+    quantile_groups: dict[tuple[int, int, int], list[int]] = {}
+    for j, i in enumerate(active):
         balancer, bias = balancers[i], biases_E[i]
-        lo, hi = margin_range(bias_max, bias_min)
+        total, most, mean, _, _ = figures[j]
         balancer.reset()
         if total == 0:
             continue
-        balancer.last_stats = BalancingStats(load_E=load_E.clone(), max_over_mean=most / mean)
+        balancer.last_stats = BalancingStats(load_E=loads_of[j], max_over_mean=most / mean)
         if balancer.method == "quantile":
-            hist_EB = piece[:-balancer.num_experts].view(balancer.num_experts, balancer.num_bins)
-            b_hat_E = -histogram_quantile(hist_EB, lo, hi, 1.0 - balancer.top_k / balancer.num_experts)
-            new_bias_E = b_hat_E - b_hat_E.mean()
+            key = (balancer.num_experts, balancer.num_bins, balancer.top_k, bias.dtype)
+            quantile_groups.setdefault(key, []).append(j)
         else:
-            new_bias_E = bias.double() - balancer.sign_rate * torch.sign(load_E - load_E.median())
-        new_biases[i] = new_bias_E.to(bias.dtype)
+            load_E = loads_of[j]
+            new_biases[i] = (bias.double() - balancer.sign_rate * torch.sign(load_E - load_E.median())).to(bias.dtype)
+    for (num_experts, num_bins, top_k, dtype), members in quantile_groups.items():
+        hist_RB = torch.stack([pieces[j][:-num_experts].view(num_experts, num_bins) for j in members]).view(
+            -1, num_bins)
+        ranges = [margin_range(figures[j][3], figures[j][4]) for j in members]
+        lo_R1, hi_R1 = (torch.tensor(bound, dtype=torch.float64, device=hist_RB.device).repeat_interleave(
+            num_experts)[:, None] for bound in zip(*ranges))
+        b_hat_LE = -histogram_quantile(hist_RB, lo_R1, hi_R1, 1.0 - top_k / num_experts).view(len(members), -1)
+        new_LE = (b_hat_LE - b_hat_LE.mean(-1, keepdim=True)).to(dtype)
+        for j, new_E in zip(members, new_LE):
+            new_biases[active[j]] = new_E
     return new_biases
 
 

@@ -289,10 +289,11 @@ class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
         max/mean expert load per layer."""
         gates = [moe.gate for moe in self.moe_layers]
         new_biases = update_biases([g.balancer for g in gates], [g.e_score_correction_bias for g in gates], all_reduce)
+        written = [(gate.e_score_correction_bias, new) for gate, new in zip(gates, new_biases) if new is not None]
+        if written:  # one multi-tensor copy for all layers (it bumps each bias's version, as observe expects)
+            torch._foreach_copy_(*map(list, zip(*written)))
         loads = {}
-        for layer_id, gate, new_bias in zip(self.model.moe_layer_ids, gates, new_biases):
-            if new_bias is not None:
-                gate.e_score_correction_bias.copy_(new_bias)
+        for layer_id, gate in zip(self.model.moe_layer_ids, gates):
             stats = gate.balancer.last_stats
             if stats is not None:
                 loads[f"layer{layer_id}"] = stats.max_over_mean

@@ -211,8 +211,11 @@ def test_the_histogram_range_follows_a_bias_written_in_place():
     biases = [torch.zeros(12), torch.randn(12, generator=gen) * 0.5]
     in_place, fresh = (ExpertBalancer(num_experts=12, top_k=3, num_bins=256) for _ in range(2))
     bias = biases[0].clone()
-    for step_scores, step_bias in zip(scores, biases):
-        bias.copy_(step_bias)
+    for step, (step_scores, step_bias) in enumerate(zip(scores, biases)):
+        if step == 0:
+            bias.copy_(step_bias)
+        else:  # as the model's update_expert_bias writes every layer's bias at once
+            torch._foreach_copy_([bias], [step_bias])
         in_place.observe(step_scores, bias, (step_scores + bias).topk(3).indices)
         fresh.observe(step_scores, step_bias.clone(), (step_scores + step_bias).topk(3).indices)
     assert in_place.hist_EB.sum() == 2 * 300 * 12 and in_place.load_E.sum() == 2 * 300 * 3
