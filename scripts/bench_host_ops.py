@@ -3,13 +3,13 @@ forward and its backward, in the form the model takes on CUDA.
 
 On a GPU the `small` preset's 4K step is host-bound (docs/benchmarks.md, issue 26: 1,944 kernel launches for 24 ms
 of kernels, 145 ms of wall time), so what it costs is roughly the number of operations the host dispatches. Every
-aten operation that is not a view is one (or a few) kernel launches on CUDA; this counts them without a GPU. The model
-branches on the device in a few places (fla's Triton kernels for KDA, its gate, norms and short convolution; torch's
-fused RMSNorm; the grouped GEMM; MLA's attention kernels): here those calls run through stand-ins that take the CUDA
-branch's place, compute with the PyTorch reference, and count as one fused call each instead of their reference's
-operations. What runs inside such a call on CUDA (fla's wrappers launch several kernels, and copy a strided input to
-a contiguous one) is not seen. The counts are exact and repeatable: no timing is involved, so one run per tree is the
-whole measurement.
+aten operation that is not a view is one (or a few) kernel launches on CUDA; this counts them without a GPU. The
+model branches on the device in a few places (fla's Triton kernels for KDA, its gate, norms and short convolution,
+and for Block AttnRes's mix; torch's fused RMSNorm; the grouped GEMM; MLA's attention kernels): here those calls run
+through stand-ins that take the CUDA branch's place, compute with the PyTorch reference, and count as one fused call
+each instead of their reference's operations. What runs inside such a call on CUDA (fla's wrappers launch several
+kernels, and copy a strided input to a contiguous one) is not seen. The counts are exact and repeatable: no timing
+is involved, so one run per tree is the whole measurement.
 
     .venv/bin/python scripts/bench_host_ops.py                  # the `small` preset, 512 tokens
     .venv/bin/python scripts/bench_host_ops.py --checkpointing  # with activation checkpointing (forward runs twice)
@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's agentrl
 
-from agentrl.model import kda, kda_ops, layers, mla, moe  # noqa: E402
+from agentrl.model import attn_res, kda, kda_ops, layers, mla, moe  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
 
@@ -159,6 +159,10 @@ _FLA = {
         lambda x: layers.l2norm_torch(x, eps), x)),
     "fla.modules.causal_conv1d.ops": SimpleNamespace(
         causal_conv1d=lambda x, weight, activation, cu_seqlens: _conv(x, weight, activation, cu_seqlens)),
+    "fla.ops.attnres": SimpleNamespace(fused_attnres=lambda query, residuals, rms_weight, rms_eps: fused(
+        lambda q, w, *sources: attn_res.attn_res_mix_torch(
+            list(sources), SimpleNamespace(weight=w, variance_epsilon=rms_eps), SimpleNamespace(weight=q[None])),
+        query, rms_weight, *residuals)),
 }
 
 
@@ -208,9 +212,9 @@ _cpu_mla_attention = mla.mla_attention
 @contextlib.contextmanager
 def cuda_form():
     """The model's CUDA branches, taken on CPU through the stand-ins."""
-    saved = (layers.fla_op, kda.fla_op, kda_ops.kda, moe.grouped_matmul, getattr(moe, "group_ends", None),
-             mla.mla_attention, layers.RMSNorm.forward)
-    layers.fla_op = kda.fla_op = _fla_op
+    saved = (layers.fla_op, kda.fla_op, attn_res.fla_op, kda_ops.kda, moe.grouped_matmul,
+             getattr(moe, "group_ends", None), mla.mla_attention, layers.RMSNorm.forward)
+    layers.fla_op = kda.fla_op = attn_res.fla_op = _fla_op
     kda_ops.kda = _kda_kernel
     moe.grouped_matmul = _grouped_matmul
     moe.group_ends = _group_ends
@@ -220,8 +224,8 @@ def cuda_form():
     try:
         yield
     finally:
-        (layers.fla_op, kda.fla_op, kda_ops.kda, moe.grouped_matmul, moe.group_ends, mla.mla_attention,
-         layers.RMSNorm.forward) = saved
+        (layers.fla_op, kda.fla_op, attn_res.fla_op, kda_ops.kda, moe.grouped_matmul, moe.group_ends,
+         mla.mla_attention, layers.RMSNorm.forward) = saved
 
 
 def count(step, sites: tuple[str, ...] = ()) -> tuple[OpCounter, OpCounter]:
