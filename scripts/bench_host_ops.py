@@ -189,7 +189,9 @@ _cpu_kda = kda_ops.kda
 
 
 def _group_ends(x_SK, counts_E):
-    return torch.cumsum(counts_E, 0).to(torch.int32) if x_SK.shape[0] else None  # the CUDA branch's operations
+    if not (layers.fused_enabled() and x_SK.shape[0]):  # inside a stand-in's reference: the CPU branch
+        return None
+    return torch.cumsum(counts_E, 0).to(torch.int32)  # the CUDA branch's operations
 
 
 def _grouped_matmul(x_SK, w_ENK, counts_E, ends_E=None):

@@ -1,0 +1,61 @@
+"""scripts/bench_host_ops.py counts what the model dispatches in its CUDA form on CPU. The count is only worth
+something if the stand-ins for the CUDA kernels compute what the CPU path computes (values and gradients: the
+backward that is counted must be the real one) and if views and stand-in internals stay out of the count."""
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+from agentrl.model.config import preset_config
+from agentrl.model.modeling import HybridMoEForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_host_ops", os.path.join(ROOT, "scripts",
+                                                                                 "bench_host_ops.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_host_ops"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = -model(ids[:, :-1], target_ids=ids[:, 1:]).token_logprobs.mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_cuda_form_computes_what_the_cpu_path_computes():
+    bench = _script()
+    torch.manual_seed(0)
+    model = HybridMoEForCausalLM(preset_config("tiny")).double().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    loss, grads = _loss_and_grads(model, ids)
+    with bench.cuda_form():
+        counter = bench.count_call(lambda: _loss_and_grads(model, ids))
+        form_loss, form_grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(form_loss, loss)
+    assert form_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(form_grads[name], grad, msg=name)
+    assert counter.fused > 0  # the stand-ins ran: fla's kernels, the fused norm, the grouped GEMM
+
+
+def test_views_and_the_insides_of_a_fused_call_are_not_counted():
+    bench = _script()
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+
+    def step():
+        y = (x * 2).view(24).view(4, 6).t()  # one mul; the views launch nothing
+        return bench.fused(lambda a, b: torch.tanh(a @ b).exp(), y.t(), w).sum()
+
+    fwd, bwd = bench.count(step)
+    assert dict(fwd.ops) == {"mul": 1, "sum": 1} and fwd.fused == 1
+    assert bwd.fused == 1 and "tanh" not in bwd.ops and "exp" not in bwd.ops
+    assert x.grad is not None and w.grad is not None
