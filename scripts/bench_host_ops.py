@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from agentrl.model import attn_res, kda, kda_ops, layers, mla, moe  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
+from agentrl.report import markdown_table  # noqa: E402
 
 # operations that make no kernel: views and metadata
 _NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "select", "slice", "narrow", "detach", "alias",
@@ -297,27 +298,9 @@ def bench_layers(preset: str, tokens: int, checkpointing: bool) -> None:
             print(f"  {name}: most frequent: " + ", ".join(f"{op} {n}" for op, n in top), flush=True)
     print(f"\n### Host dispatches per layer, `{preset}` preset, {tokens} tokens, bf16, CPU in the CUDA form"
           + (", activation checkpointing" if checkpointing else "") + "\n")
-    print(_table(["part", "layers", "aten ops fwd", "aten ops bwd", "fused calls fwd", "fused calls bwd",
-                  "dispatches per layer", "× layers"],
-                 rows + [["all layers", sum(r[1] for r in rows), "", "", "", "", "", sum(r[7] for r in rows)]]))
-
-
-def _trainer_batch(vocab: int, tokens: int, sequences: int = 8) -> list:
-    """`sequences` trajectories in two GRPO groups that pack to `tokens` training tokens (bench_gpu.py's batch)."""
-    import numpy as np
-
-    from agentrl.types import Trajectory
-
-    rng = np.random.default_rng(0)
-    batch = []
-    for i in range(sequences):
-        t = Trajectory(trajectory_id=f"t{i}", task_id=f"g{i % 2}", group_id=f"g{i % 2}", env_id="bench",
-                       reward=float(i % 3))
-        sampled = tokens // sequences + 1 - 64
-        t.append_prompt(rng.integers(0, vocab, 64).tolist())
-        t.append_sampled(rng.integers(0, vocab, sampled).tolist(), (-8.0 - rng.random(sampled)).tolist(), version=0)
-        batch.append(t)
-    return batch
+    print(markdown_table(["part", "layers", "aten ops fwd", "aten ops bwd", "fused calls fwd", "fused calls bwd",
+                          "dispatches per layer", "× layers"],
+                         rows + [["all layers", sum(r[1] for r in rows), "", "", "", "", "", sum(r[7] for r in rows)]]))
 
 
 def bench_trainer(preset: str, tokens: int, top: int) -> None:
@@ -330,6 +313,8 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
+    from bench_gpu import _trainer_batch  # the batch bench_gpu's trainer table times (its script directory is ours)
+
     config = preset_config(preset)
     batch = _trainer_batch(config.vocab_size, tokens)
     sites = ("deepspeed/", "/trainer/", "/agentrl/model/")
@@ -370,16 +355,11 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
             site_rows += [[f"ZeRO-{stage}", op, f"`{site}`", n] for (op, site), n in counter.by_site.most_common(top)]
     print(f"\n### Host dispatches of one training step, `{preset}` preset, {tokens} tokens in "
           f"{len(plan.per_rank[0])} micro-batch(es), one rank, CPU in the CUDA form\n")
-    print(_table(["step", "dispatches", "over the bare step", "scalar reads (host syncs on CUDA)",
-                  "outside the model's forward and backward"], rows))
+    print(markdown_table(["step", "dispatches", "over the bare step", "scalar reads (host syncs on CUDA)",
+                          "outside the model's forward and backward"], rows))
     print(f"\n### Where the dispatches outside the model's forward and backward come from (DeepSpeed, the trainer, "
           f"Quantile Balancing's update), top {top} per stage\n")
-    print(_table(["step", "aten op", "innermost DeepSpeed / trainer frame", "calls"], site_rows))
-
-
-def _table(head: list, rows: list) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows])
+    print(markdown_table(["step", "aten op", "innermost DeepSpeed / trainer frame", "calls"], site_rows))
 
 
 def main() -> None:
