@@ -53,10 +53,14 @@ def test_every_rank_gets_the_call_and_rank_0_answers(ray_session):
 
 
 def test_a_rank_that_hangs_or_dies_raises_at_once(ray_session):
+    hanging = group("hang", timeout=2.0)
+    # both actors up first: the 2 s are the step's, and a loaded machine can take longer than that to start an actor
+    # (rank 0 was once reported as late beside rank 1)
+    ray.get([r.seen.remote() for r in hanging.ranks])
     t0 = time.monotonic()
     with pytest.raises(ActorLost, match=r"trainer rank\(s\) \[1\] did not finish step within "
                                         r"cluster.trainer_timeout_s=2s"):
-        group("hang", timeout=2.0).step([1])
+        hanging.step([1])
     assert time.monotonic() - t0 < 20
     with pytest.raises(ActorLost, match="trainer rank 1 died during step"):
         group("die").step([1])
