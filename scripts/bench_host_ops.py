@@ -38,7 +38,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's agentrl
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)  # the checkout's agentrl
 
 from agentrl.model import attn_res, kda, kda_ops, layers, mla, moe  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
@@ -80,9 +81,6 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values()) + self.fused
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _the_models(innermost, stack) -> bool:
@@ -168,9 +166,11 @@ _FLA = {
 
 
 def _gate_reference(z_THK, A_log, dt_bias, lower_bound):
-    z = z_THK.float() + dt_bias.float().view(z_THK.shape[1:])
-    rate = A_log.float().exp().view(1, -1, 1)
-    return lower_bound * torch.sigmoid(rate * z) if lower_bound is not None else -rate * torch.nn.functional.softplus(z)
+    """The layer's own PyTorch form of the gate (`KimiDeltaAttention.decay_torch`) on fla's arguments."""
+    num_tokens, num_heads, head_dim = z_THK.shape
+    layer = SimpleNamespace(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, num_heads=num_heads,
+                            head_dim=head_dim)
+    return kda.KimiDeltaAttention.decay_torch(layer, z_THK.reshape(num_tokens, -1))
 
 
 def _fla_op(x, module):
@@ -233,18 +233,9 @@ def cuda_form():
 
 def count(step, sites: tuple[str, ...] = ()) -> tuple[OpCounter, OpCounter]:
     """The operations of `step()`'s forward (it returns a scalar loss) and of its backward."""
-    forward, backward = OpCounter(sites), OpCounter(sites)
-    for counter, run in ((forward, step), (backward, None)):
-        _COUNTER.append(counter)
-        try:
-            with counter:
-                if run is not None:
-                    loss = run()
-                else:
-                    loss.backward()
-        finally:
-            _COUNTER.pop()
-    return forward, backward
+    loss = []
+    forward = count_call(lambda: loss.append(step()), sites)
+    return forward, count_call(lambda: loss[0].backward(), sites)
 
 
 def count_call(fn, sites: tuple[str, ...] = ()) -> OpCounter:

@@ -248,8 +248,8 @@ def _global_grad_norm_stage3(optimizer, per_tensor, gradients, params, norm_type
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer._get_param_partition_group(params[0]))
     optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
     total = total ** 0.5
-    not_finite = total.isinf().logical_or(total.isnan())
-    return torch.where(not_finite, torch.tensor(-1.0, device=optimizer.device, dtype=torch.float), total)
+    mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
+    return total
 
 
 def _group_key(name: str) -> str:

@@ -250,7 +250,7 @@ def update_biases(balancers: Sequence[ExpertBalancer], biases_E: Sequence[torch.
     # one host read for every layer: total load (zero: nothing routed), max and mean load, and the bias's extremes
     # (the margin range of a layer this rank did not observe: it depends only on the bias, the same on every rank)
     figures = dict(zip(order, torch.cat(figures_of).tolist()))
-    quantile_groups: dict[tuple[int, int, int], list[int]] = {}
+    quantile_groups: dict[tuple[int, int, int, torch.dtype], list[int]] = {}  # (E, B, K, bias dtype) → layers
     for j, i in enumerate(active):
         balancer, bias = balancers[i], biases_E[i]
         total, most, mean, _, _ = figures[j]
