@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)  # the checkout's agentrl
 
-from agentrl.model import attn_res, kda, kda_ops, layers, mla, moe  # noqa: E402
+from agentrl.model import attn_res, kda_ops, layers, mla, moe  # noqa: E402
 from agentrl.model.config import preset_config  # noqa: E402
 from agentrl.model.modeling import HybridMoEForCausalLM  # noqa: E402
 from agentrl.report import markdown_table  # noqa: E402
@@ -149,8 +149,6 @@ def _conv(x_BTC, weight, activation, cu_seqlens):
 
 
 _FLA = {
-    "fla.ops.kda.gate": SimpleNamespace(fused_kda_gate=lambda z, A_log, dt_bias, lower_bound=None: fused(
-        lambda z, a, dt: _gate_reference(z, a, dt, lower_bound), z, A_log, dt_bias)),
     "fla.modules.norm.fused_norm_gate": SimpleNamespace(
         rms_norm_gated=lambda x, gate, weight, bias, activation, eps: fused(
             lambda x, g, w: layers.gated_rms_norm_torch(x, w, g, eps), x, gate, weight)),
@@ -165,24 +163,23 @@ _FLA = {
 }
 
 
-def _gate_reference(z_THK, A_log, dt_bias, lower_bound):
-    """The layer's own PyTorch form of the gate (`KimiDeltaAttention.decay_torch`) on fla's arguments."""
-    num_tokens, num_heads, head_dim = z_THK.shape
-    layer = SimpleNamespace(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, num_heads=num_heads,
-                            head_dim=head_dim)
-    return kda.KimiDeltaAttention.decay_torch(layer, z_THK.reshape(num_tokens, -1))
-
-
 def _fla_op(x, module):
     return _FLA.get(module) if layers.fused_enabled() else None
 
 
-def _kda_kernel(q, k, v, g, beta, *, output_final_state, **kwargs):
-    o = fused(lambda *t: _cpu_kda(*t, output_final_state=False, **kwargs)[0], q, k, v, g, beta)
+def _kda_kernel(q, k, v, g, beta, *, output_final_state, gate=None, **kwargs):
+    """fla's KDA: one call, with the layer's prologue (norms, gate, sigmoid) inside it when handed `gate`."""
+    params = () if gate is None else (gate.A_log, gate.dt_bias)
+
+    def run(q, k, v, g, beta, *params, final_state=False):
+        return _reference(_cpu_kda, q, k, v, g, beta, output_final_state=final_state,
+                          gate=kda_ops.GateParams(*params) if params else None, **kwargs)
+
+    o = fused(lambda *t: run(*t)[0], q, k, v, g, beta, *params)
     final = None
     if output_final_state:  # the final state has no gradient: computed outside the stand-in, uncounted
         with _uncounted(as_fused_call=False), torch.no_grad():
-            final = _cpu_kda(q, k, v, g, beta, output_final_state=True, **kwargs)[1]
+            final = run(q, k, v, g, beta, *params, final_state=True)[1]
     return o, final
 
 
@@ -215,9 +212,9 @@ _cpu_mla_attention = mla.mla_attention
 @contextlib.contextmanager
 def cuda_form():
     """The model's CUDA branches, taken on CPU through the stand-ins."""
-    saved = (layers.fla_op, kda.fla_op, attn_res.fla_op, kda_ops.kda, moe.grouped_matmul,
+    saved = (layers.fla_op, attn_res.fla_op, kda_ops.kda, moe.grouped_matmul,
              getattr(moe, "group_ends", None), mla.mla_attention, layers.RMSNorm.forward)
-    layers.fla_op = kda.fla_op = attn_res.fla_op = _fla_op
+    layers.fla_op = attn_res.fla_op = _fla_op
     kda_ops.kda = _kda_kernel
     moe.grouped_matmul = _grouped_matmul
     moe.group_ends = _group_ends
@@ -227,7 +224,7 @@ def cuda_form():
     try:
         yield
     finally:
-        (layers.fla_op, kda.fla_op, attn_res.fla_op, kda_ops.kda, moe.grouped_matmul, moe.group_ends,
+        (layers.fla_op, attn_res.fla_op, kda_ops.kda, moe.grouped_matmul, moe.group_ends,
          mla.mla_attention, layers.RMSNorm.forward) = saved
 
 

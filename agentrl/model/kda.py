@@ -19,14 +19,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from agentrl.model import context_parallel, kda_ops
 from agentrl.model.cache import KDAState
 from agentrl.model.context_parallel import ContextShard
 from agentrl.model.config import HybridMoEConfig
-from agentrl.model.layers import fla_offsets, fla_op, gated_rms_norm, l2norm, linear_many, short_conv
+from agentrl.model.layers import fla_offsets, gated_rms_norm, linear_many, short_conv
 
 
 class KimiDeltaAttention(nn.Module):
@@ -71,24 +70,9 @@ class KimiDeltaAttention(nn.Module):
             dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def decay(self, fa_TK: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [T, H, K] in fp32 from the low-rank factor f_a(x) (on CUDA through fla's fused
-        gate kernel, the same formulas)."""
-        z = self.f_b_proj(fa_TK)
-        fused = fla_op(z, "fla.ops.kda.gate")
-        if fused is not None:
-            return fused.fused_kda_gate(z.view(-1, self.num_heads, self.head_dim), self.A_log, self.dt_bias,
-                                        lower_bound=self.lower_bound)
-        return self.decay_torch(z)
-
-    def decay_torch(self, z_TP: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(z_TP.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
-        z = z_TP.to(compute) + self.dt_bias.to(compute)
-        z = z.view(-1, self.num_heads, self.head_dim)
-        rate = self.A_log.to(compute).exp().view(1, -1, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * z)
-        return -rate * F.softplus(z)
+    @property
+    def gate_params(self) -> kda_ops.GateParams:
+        return kda_ops.GateParams(self.A_log, self.dt_bias)
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, state: KDAState | None = None,
                 use_cache: bool = False, shard: ContextShard | None = None) -> tuple[torch.Tensor, KDAState | None]:
@@ -104,16 +88,17 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_shard(x_TD, shard), None
         cu_seqlens = fla_offsets(cu_seqlens)  # the forward's own object under ZeRO-3 too: fla caches by identity
         num_tokens = x_TD.shape[0]
-        q, k, v, g, beta, gate, conv_state = self._inputs(x_TD, cu_seqlens,
-                                                          None if state is None else state.conv_NCW, use_cache)
+        q, k, v, z, b, gate, conv_state = self._inputs(x_TD, cu_seqlens,
+                                                       None if state is None else state.conv_NCW, use_cache)
         initial = None if state is None else state.recurrent_NHKV
         num_seqs = cu_seqlens.numel() - 1
         if initial is not None and num_tokens == num_seqs:
             # one new token per sequence: the recurrent step
+            q, k, g, beta = kda_ops.prologue(q, k, z, b, self.gate_params, self.lower_bound)
             o, final = kda_ops.recurrent_kda_step(q, k, v, g, beta, initial)
             o = o.to(v.dtype)
         else:
-            o, final = self._kernel(q, k, v, g, beta, initial, use_cache, cu_seqlens)
+            o, final = self._kernel(q, k, v, z, b, initial, use_cache, cu_seqlens)
         new_state = KDAState(conv_NCW=conv_state, recurrent_NHKV=final) if use_cache else None
         return self._output(o, gate), new_state
 
@@ -123,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
         incoming state, which corrects the outputs (context_parallel.py)."""
         num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
         cu_seqlens = shard.cu_seqlens
-        q, k, v, g, beta, gate, _ = self._inputs(x_TD, cu_seqlens, lambda qkv: context_parallel.conv_tail(
+        q, k, v, z, b, gate, _ = self._inputs(x_TD, cu_seqlens, lambda qkv: context_parallel.conv_tail(
             qkv, self.conv_size, shard), False)
         carried = shard.first_continues
         initial = None
@@ -132,7 +117,7 @@ class KimiDeltaAttention(nn.Module):
             initial = torch.zeros(cu_seqlens.numel() - 1, H, K, 2 * K, device=v.device,
                                   dtype=torch.promote_types(v.dtype, torch.float32))
             initial[0, :, :, K:] = torch.eye(K, dtype=initial.dtype, device=v.device)
-        o, final = self._kernel(q, k, v, g, beta, initial, True, cu_seqlens)
+        o, final = self._kernel(q, k, v, z, b, initial, True, cu_seqlens)
         last = final[-1]  # the last sequence's [B | A]: what this slice hands the next rank
         transition = last[..., K:] if carried else last.new_zeros(H, K, K)
         incoming = context_parallel.incoming_state(transition, last[..., :K], shard)
@@ -143,20 +128,19 @@ class KimiDeltaAttention(nn.Module):
         return self._output(o, gate)
 
     def _inputs(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, conv_state, final_conv_state: bool) -> tuple:
-        """q, k, v [T, H, K], the log-decay g, β, the output gate's input [T, P] and the short convolution's final
-        state (None unless `final_conv_state`). `conv_state`: the initial state [N, C, W−1], None, or a function of
-        the pre-convolution inputs that returns it."""
+        """The kernel's inputs before its prologue (`kda_ops.prologue`): q, k (not yet normalised), v [T, H, K], the
+        gate's input z [T, H, K], β's logits [T, H]; then the output gate's input [T, P] and the short convolution's
+        final state (None unless `final_conv_state`). `conv_state`: the initial state [N, C, W−1], None, or a function
+        of the pre-convolution inputs that returns it."""
         num_tokens, H, K = x_TD.shape[0], self.num_heads, self.head_dim
         qkv, fa, b, gate = self._projections(x_TD)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         initial = conv_state(qkv) if callable(conv_state) else conv_state
         qkv, final = short_conv(qkv, conv_w, cu_seqlens, initial, output_final_state=final_conv_state)
-        q, k, v = qkv.split(H * K, dim=-1)
-        beta = torch.sigmoid(b.to(torch.promote_types(x_TD.dtype, torch.float32)))
+        q, k, v = (x.view(num_tokens, H, K) for x in qkv.split(H * K, dim=-1))
         if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank gate: its second factor
             gate = self.g_b_proj(gate)
-        return (l2norm(q.view(num_tokens, H, K)), l2norm(k.view(num_tokens, H, K)), v.view(num_tokens, H, K),
-                self.decay(fa), beta, gate, final)
+        return q, k, v, self.f_b_proj(fa).view(num_tokens, H, K), b, gate, final
 
     def _projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x, one GEMM: q|k|v [T, 3P], the decay's first factor [T, K], β's logits [T, H] and
@@ -167,11 +151,12 @@ class KimiDeltaAttention(nn.Module):
         sizes = [3 * self.num_heads * self.head_dim, *(w.shape[0] for w in weights[3:])]
         return linear_many(x_TD, weights).split(sizes, dim=-1)
 
-    def _kernel(self, q, k, v, g, beta, initial, final_state: bool, cu_seqlens):
-        o, final = kda_ops.kda(q[None], k[None], v[None], g[None], beta[None], initial_state=initial,
+    def _kernel(self, q, k, v, z, b, initial, final_state: bool, cu_seqlens):
+        """The KDA kernel with its prologue (fused into fla's kernels on CUDA) on the layer's projections."""
+        o, final = kda_ops.kda(q[None], k[None], v[None], z[None], b[None], initial_state=initial,
                                output_final_state=final_state, cu_seqlens=cu_seqlens,
                                lower_bound=self.lower_bound if self.lower_bound is not None else -5.0,
-                               bounded=self.lower_bound is not None)
+                               bounded=self.lower_bound is not None, gate=self.gate_params)
         return o[0], final
 
     def _output(self, o_THK: torch.Tensor, gate_TP: torch.Tensor) -> torch.Tensor:

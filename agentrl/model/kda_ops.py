@@ -1,8 +1,9 @@
 """KDA (Kimi Delta Attention) kernels: a naive recurrence, a chunked PyTorch form for CPU, a decode step, a dispatcher.
 
-Kernels only: no parameters, no gate or norm. The KDA layer L2-normalises q/k, computes the bounded log-decay g, β and
-the output gate, then calls these functions. All of them are stateless keyword functions returning `(o, final_state)`
-in fla's conventions (state `[N, H, K, V]`, key-major; variable length through `cu_seqlens`).
+Kernels, and the elementwise prologue that turns the KDA layer's projections into their inputs (`prologue`: q and k
+L2-normalised, the log-decay gate, β's sigmoid), which `kda` applies itself when handed the projections: fla's kernels
+fuse it on CUDA. No parameters are held here. All kernels are stateless keyword functions returning
+`(o, final_state)` in fla's conventions (state `[N, H, K, V]`, key-major; variable length through `cu_seqlens`).
 
 Math (per sequence and head; S ∈ R^{K×V}, g_t ≤ 0 the per-channel log-decay, scale = K^-1/2 by default):
     S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ,        o_t = S_tᵀ (scale · q_t)
@@ -41,11 +42,15 @@ from __future__ import annotations
 
 import importlib
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from agentrl.model.layers import l2norm
 
 __all__ = [
     "CHUNK_SIZE",
@@ -55,6 +60,9 @@ __all__ = [
     "naive_recurrent_kda",
     "chunk_kda_torch",
     "recurrent_kda_step",
+    "GateParams",
+    "kda_gate",
+    "prologue",
     "kda",
 ]
 
@@ -497,6 +505,37 @@ def chunk_kda_torch(
 
 
 @lru_cache(maxsize=1)
+@dataclass(frozen=True)
+class GateParams:
+    """The KDA layer's decay-gate parameters: A_log [H] and dt_bias [H·K] (both fp32; gradients flow to them)."""
+
+    A_log: Tensor
+    dt_bias: Tensor
+
+
+def kda_gate(z: Tensor, gate: GateParams, lower_bound: float | None) -> Tensor:
+    """The per-channel log-decay g [..., H, K] from the gate's input z [..., H, K], in fp32 (fp64 for fp64 z):
+        bounded (K3, lower_bound set):   g = lower_bound · σ(e^{A_log_h} (z + dt_bias))     ∈ [lower_bound, 0)
+        unbounded (Kimi Linear):         g = −e^{A_log_h} · softplus(z + dt_bias)
+    fla's formulas, in its fused gate and in its KDA kernels' `use_gate_in_kernel`."""
+    compute = torch.promote_types(z.dtype, torch.float32)
+    H, K = z.shape[-2:]
+    x = z.to(compute) + gate.dt_bias.to(compute).view(H, K)
+    rate = gate.A_log.to(compute).exp().view(H, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * x)
+    return -rate * F.softplus(x)
+
+
+def prologue(q: Tensor, k: Tensor, z: Tensor, beta_logits: Tensor, gate: GateParams,
+             lower_bound: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The KDA layer's projections → the kernels' inputs, in PyTorch: q and k L2-normalised over K (eps 1e-6 inside the
+    root, fla's), g = `kda_gate(z)`, β = σ(logits) in fp32. Shapes as the kernels take them ([..., H, K] and [..., H]).
+    """
+    beta = torch.sigmoid(beta_logits.to(torch.promote_types(beta_logits.dtype, torch.float32)))
+    return l2norm(q), l2norm(k), kda_gate(z, gate, lower_bound), beta
+
+
 def _import_fla_kda() -> ModuleType | None:
     try:
         return importlib.import_module("fla.ops.kda")
@@ -523,27 +562,36 @@ def kda(
     lower_bound: float = -5.0,
     bounded: bool = True,
     mode: str = "auto",
+    gate: GateParams | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA with the kernel chosen by device and length; shapes and returns as in `chunk_kda_torch`.
 
+    With `gate`, the inputs are the layer's projections instead: q and k not yet normalised, g the gate's input z
+    and beta its logits; the `prologue` (with the bounded gate when `bounded`, at `lower_bound`) is applied first, by
+    fla's kernels on CUDA (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel` with A_log and dt_bias,
+    `use_beta_sigmoid_in_kernel`: one autograd node for what is otherwise four, and the gate fused into the kernel's
+    cumulative sum) and in PyTorch elsewhere.
+
     On CUDA with fla importable (fla-core 0.6.0), it calls
         fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=, initial_state=, output_final_state=,
-                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                              use_beta_sigmoid_in_kernel=False, safe_gate=bounded,
-                              lower_bound=lower_bound if bounded else None, state_v_first=False, cu_seqlens=)
-    or, for `mode="recurrent"` (and for `"auto"` with T ≤ FLA_DECODE_MAX_LEN when nothing needs gradients, as fla's
-    own KDA layer does), `fla.ops.kda.fused_recurrent_kda` with the same q/k/v/g/beta/state arguments and no
-    safe_gate. fla 0.6.0's fused recurrent kernel has no backward, so it is never used for inputs that need gradients.
+                              use_qk_l2norm_in_kernel=F, use_gate_in_kernel=F, use_beta_sigmoid_in_kernel=F,
+                              [A_log=, dt_bias=,] safe_gate=bounded, lower_bound=lower_bound if bounded else None,
+                              state_v_first=False, cu_seqlens=)
+    with F = whether `gate` is given, or, for `mode="recurrent"` (and for `"auto"` with T ≤ FLA_DECODE_MAX_LEN when
+    nothing needs gradients, as fla's own KDA layer does), `fla.ops.kda.fused_recurrent_kda` with the same
+    q/k/v/g/beta/state and prologue arguments and no safe_gate. fla 0.6.0's fused recurrent kernel has no backward, so
+    it is never used for inputs that need gradients.
 
     What g is for fla: with `use_gate_in_kernel=False` fla takes g as the finished per-channel log-decay (the same g
     as every function here), and `safe_gate=True` tells it the caller's gates already lie in [lower_bound, 0], so it
-    may use its dense 16×16 sub-block path. fla applies `lower_bound · sigmoid(exp(A_log)(g + dt_bias))` itself only
-    when `use_gate_in_kernel=True`, which we never pass: the layer owns the gate. (In 0.6.0, chunk_kda reads
-    lower_bound only for that fused gate; it is passed for clarity and is inert here.) q and k arrive normalised, β
-    arrives post-sigmoid, the state is key-major `[N, H, K, V]` (fla's own layer uses state_v_first=True; we do not).
-    Checked on an H200 with fla-core 0.6.0 (torch 2.11): chunk_kda through this call matches the fp64 naive recurrence
-    to ~3e-3 relative in o, state and all gradients (fp32 inputs; fla's kernels round through tf32/bf16 dots), the
-    fused recurrent kernel to ~1e-7, with varlen batches; lower_bound −5 vs −1 changed chunk_kda's output by 0.0.
+    may use its dense 16×16 sub-block path; chunk_kda then reads lower_bound for nothing else. With
+    `use_gate_in_kernel=True` it computes `kda_gate`'s formulas itself: `lower_bound · σ(e^{A_log}(g + dt_bias))` when
+    given lower_bound, else `−e^{A_log} softplus(g + dt_bias)`. The state is key-major `[N, H, K, V]` (fla's own layer
+    uses state_v_first=True; we do not).
+    Checked on an H200 with fla-core 0.6.0 (torch 2.11), without `gate`: chunk_kda through this call matches the fp64
+    naive recurrence to ~3e-3 relative in o, state and all gradients (fp32 inputs; fla's kernels round through
+    tf32/bf16 dots), the fused recurrent kernel to ~1e-7, with varlen batches; lower_bound −5 vs −1 changed chunk_kda's
+    output by 0.0. With `gate`: tests/gpu/test_kda_fla.py checks the same against `prologue` and the fp64 recurrence.
 
     Elsewhere (CPU, or CUDA without fla): "chunk" is `chunk_kda_torch(bounded=bounded)`, "recurrent" and "naive"
     are `naive_recurrent_kda`; "auto" is the per-token recurrence for T == 1 and the chunked form otherwise.
@@ -551,7 +599,8 @@ def kda(
     Args:
         lower_bound: the per-token floor of the bounded gate; must lie in [−MAX_TILE_LOG_DECAY/CHUNK_SIZE, 0)
             = [−5, 0) when bounded (fla's safe range, and what a 16-token CPU tile can represent).
-        bounded: whether g comes from the bounded gate (dense tiles); False for the unbounded comparison path.
+        bounded: whether g comes from the bounded gate (dense tiles); False for the unbounded comparison path (and,
+            with `gate`, for the unbounded softplus gate).
         mode: "auto", "chunk", "recurrent" or "naive".
     """
     if mode not in MODES:
@@ -563,14 +612,16 @@ def kda(
     common = dict(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens
     )
+    fla_kda = None if mode == "naive" else _fla_kda_for(q)
+    if gate is not None and fla_kda is None:
+        q, k, g, beta = prologue(q, k, g, beta, gate, lower_bound if bounded else None)
+        gate = None
     if mode == "naive":
         return naive_recurrent_kda(q, k, v, g, beta, **common)
 
     T = q.shape[1]
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
-    )
-    fla_kda = _fla_kda_for(q)
+    inputs = (q, k, v, g, beta, initial_state) + (() if gate is None else (gate.A_log, gate.dt_bias))
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     if fla_kda is None:
         if mode == "recurrent" or (mode == "auto" and T == 1):
             return naive_recurrent_kda(q, k, v, g, beta, **common)
@@ -580,23 +631,27 @@ def kda(
         mode = "recurrent" if (T <= FLA_DECODE_MAX_LEN and not needs_grad) else "chunk"
     if initial_state is not None:
         initial_state = initial_state.float()  # fla asserts an fp32 state
+    fused = gate is not None
     fla_args = dict(
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False,
-        use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
+        use_qk_l2norm_in_kernel=fused,
+        use_gate_in_kernel=fused,
+        use_beta_sigmoid_in_kernel=fused,
         state_v_first=False,
         cu_seqlens=cu_seqlens,
     )
+    if fused:  # chunk_kda reads these from its **kwargs; fused_recurrent_kda names them
+        fla_args.update(A_log=gate.A_log, dt_bias=gate.dt_bias)
     if mode == "recurrent":
         if needs_grad:
             raise ValueError(
                 "mode='recurrent' on CUDA runs fla's fused_recurrent_kda, which has no backward; use mode='chunk' "
                 "for inputs that need gradients"
             )
-        o, final = fla_kda.fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, **fla_args)
+        o, final = fla_kda.fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta,
+                                               lower_bound=lower_bound if bounded and fused else None, **fla_args)
     else:
         o, final = fla_kda.chunk_kda(
             q=q, k=k, v=v, g=g, beta=beta, safe_gate=bounded, lower_bound=lower_bound if bounded else None, **fla_args

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.model import kda_ops
-from agentrl.model.kda_ops import chunk_kda_torch, kda, naive_recurrent_kda, recurrent_kda_step
+from agentrl.model.kda_ops import (GateParams, chunk_kda_torch, kda, kda_gate, naive_recurrent_kda, prologue,
+                                   recurrent_kda_step)
 
 torch.set_num_threads(1)
 
@@ -357,12 +358,22 @@ def test_kda_calls_fla_with_the_0_6_0_signature(monkeypatch):
     misspelt keyword fails here, where real fla would swallow it), check what the CUDA branch passes."""
     calls = []
 
+    def in_kernel(q, k, g, beta, A_log, dt_bias, lower_bound, flags):
+        """What fla applies itself under the three prologue flags (all or none, as agentrl passes them)."""
+        if not any(flags):
+            return q, k, g, beta
+        assert all(flags)
+        return prologue(q, k, g, beta, GateParams(A_log, dt_bias), lower_bound)
+
+    # A_log and dt_bias: chunk_kda reads them from its **kwargs in 0.6.0 (`kwargs.get("A_log")`); named here
     def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                   allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
                   return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                  cp_context=None, use_graph=False, max_num_seqs=None):
+                  cp_context=None, use_graph=False, max_num_seqs=None, A_log=None, dt_bias=None):
         calls.append(("chunk", locals().copy()))
+        q, k, g, beta = in_kernel(q, k, g, beta, A_log, dt_bias, lower_bound,
+                                  (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel))
         return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -371,6 +382,8 @@ def test_kda_calls_fla_with_the_0_6_0_signature(monkeypatch):
                             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                             state_v_first=False, cu_seqlens=None):
         calls.append(("fused_recurrent", locals().copy()))
+        q, k, g, beta = in_kernel(q, k, g, beta, A_log, dt_bias, lower_bound,
+                                  (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel))
         return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -405,3 +418,73 @@ def test_kda_calls_fla_with_the_0_6_0_signature(monkeypatch):
     assert calls.pop()[0] == "chunk"
     with pytest.raises(ValueError, match="no backward"):
         kda(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], mode="recurrent")
+
+    # the layer's projections with its gate parameters: the prologue goes to fla as its three in-kernel flags, the
+    # bounded gate with its lower bound, the unbounded (softplus) one without
+    z, b = torch.randn_like(g), torch.randn_like(beta)
+    gate = GateParams(torch.randn(q.shape[2]), torch.randn(q.shape[2] * q.shape[3]))
+    o = kda(q, k, v, z, b, initial_state=S0, gate=gate)
+    kind, args = calls.pop()
+    assert kind == "chunk" and args["safe_gate"] is True and args["lower_bound"] == -5.0
+    assert args["use_qk_l2norm_in_kernel"] and args["use_gate_in_kernel"] and args["use_beta_sigmoid_in_kernel"]
+    assert args["A_log"] is gate.A_log and args["dt_bias"] is gate.dt_bias and args["g"] is z and args["beta"] is b
+    torch.testing.assert_close(o[0], naive_recurrent_kda(*_finished(q, k, v, z, b, gate, -5.0), initial_state=S0)[0])
+    kda(q, k, v, z, b, gate=gate, bounded=False)
+    kind, args = calls.pop()
+    assert args["use_gate_in_kernel"] and args["safe_gate"] is False and args["lower_bound"] is None
+    with torch.no_grad():
+        kda(q[:, :3], k[:, :3], v[:, :3], z[:, :3], b[:, :3], cu_seqlens=cu, gate=gate)
+    kind, args = calls.pop()
+    assert kind == "fused_recurrent" and args["use_gate_in_kernel"] and args["lower_bound"] == -5.0
+    assert args["A_log"] is gate.A_log
+    # gradients wanted only by the gate's parameters still rule out the fused recurrent kernel
+    trained = GateParams(gate.A_log.clone().requires_grad_(), gate.dt_bias)
+    kda(q[:, :3].detach(), k[:, :3], v[:, :3], z[:, :3], b[:, :3], gate=trained)
+    assert calls.pop()[0] == "chunk"
+
+
+def _finished(q, k, v, z, b, gate, lower_bound):
+    q, k, g, beta = prologue(q, k, z, b, gate, lower_bound)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_the_gate_per_head_and_channel(lower_bound):
+    """`kda_gate` against its formula written out per head h and channel c: dt_bias is laid out [H·K] head-major,
+    A_log is per head; bounded gates lie in [lower_bound, 0)."""
+    gen = torch.Generator().manual_seed(3)
+    T, H_, K_ = 5, 3, 4
+    z = torch.randn(T, H_, K_, generator=gen, dtype=F64)
+    A_log, dt_bias = torch.randn(H_, generator=gen, dtype=F64), torch.randn(H_ * K_, generator=gen, dtype=F64)
+    g = kda_gate(z, GateParams(A_log, dt_bias), lower_bound)
+    for h in range(H_):
+        for c in range(K_):
+            x = A_log[h].exp() * (z[:, h, c] + dt_bias[h * K_ + c]) if lower_bound is not None else \
+                z[:, h, c] + dt_bias[h * K_ + c]
+            want = lower_bound * torch.sigmoid(x) if lower_bound is not None else -A_log[h].exp() * F.softplus(x)
+            torch.testing.assert_close(g[:, h, c], want)
+    if lower_bound is not None:
+        assert g.min() >= lower_bound and g.max() < 0
+    assert kda_gate(z.float(), GateParams(A_log.float(), dt_bias.float()), lower_bound).dtype == torch.float32
+    assert kda_gate(z.bfloat16(), GateParams(A_log.float(), dt_bias.float()), lower_bound).dtype == torch.float32
+
+
+def test_kda_with_the_gate_on_cpu_applies_the_prologue_and_trains_the_gate():
+    """On CPU `kda(..., gate=)` is `prologue` then the kernel, and the gate's parameters get their gradients."""
+    q, k, v, g, beta, S0 = make_inputs(1, 40, seed=31)
+    gen = torch.Generator().manual_seed(4)
+    q_raw, k_raw = 3 * torch.randn(q.shape, generator=gen, dtype=F64), torch.randn(k.shape, generator=gen, dtype=F64)
+    z, b = torch.randn(g.shape, generator=gen, dtype=F64), torch.randn(beta.shape, generator=gen, dtype=F64)
+    A_log = torch.zeros(q.shape[2], dtype=F64, requires_grad=True)
+    dt_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=F64, requires_grad=True)
+    gate = GateParams(A_log, dt_bias)
+    o, S = kda(q_raw, k_raw, v, z, b, initial_state=S0, output_final_state=True, gate=gate)
+    o_ref, S_ref = naive_recurrent_kda(*_finished(q_raw, k_raw, v, z, b, gate, -5.0), initial_state=S0,
+                                       output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(S, S_ref, rtol=1e-10, atol=1e-10)
+    grad_A, grad_dt = torch.autograd.grad(o.square().sum(), [A_log, dt_bias])
+    ref_A, ref_dt = torch.autograd.grad(o_ref.square().sum(), [A_log, dt_bias])
+    torch.testing.assert_close(grad_A, ref_A, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(grad_dt, ref_dt, rtol=1e-8, atol=1e-10)
+    assert grad_A.abs().sum() > 0 and grad_dt.abs().sum() > 0
