@@ -671,7 +671,9 @@ class _Bare:
         from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 
         for micro in self.plan.per_rank[0]:
-            micro_batch_loss(PackedPolicy(self.model), micro, self.loss, device="cuda").loss.backward()
+            loss = micro_batch_loss(PackedPolicy(self.model), micro, self.loss, device="cuda").loss
+            with self.model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
+                loss.backward()
         if self.adam is not None:
             self.adam.step()
         self.model.zero_grad(set_to_none=True)
@@ -711,7 +713,8 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
 
         kda.fla_offsets = lambda cu_seqlens: cu_seqlens
     if not variant.balancing:  # the routers neither observe nor update their biases
-        trainer._routers_observe = lambda observe: trainer.__class__._routers_observe(trainer, False)
+        observing = trainer.policy.balancers_observing
+        trainer.policy.balancers_observing = lambda observe: observing(False)
         trainer.policy.update_expert_bias = lambda **kw: {}
     return trainer
 

@@ -30,7 +30,6 @@ sharded.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import random
@@ -172,9 +171,10 @@ class PolicyTrainer:
         skipped_before = self.engine.skipped_steps  # DeepSpeed skips a step whose gradient norm is not finite
         for micros in mine:
             for micro in micros:
-                with self._routers_observe(not micro.is_padding):
+                with self.policy.balancers_observing(not micro.is_padding):
                     out = micro_batch_loss(self.engine, micro, loss_cfg, reference=self.reference,
                                            device=self.device)
+                with self.policy.balancers_observing(False):  # checkpointing's recomputation: seen in the forward
                     self.engine.backward(out.loss * self.world_size)
                 sums.update(out.sums)
                 sums["loss"] += out.loss.detach()  # on the device, like out.sums: read once, below
@@ -449,20 +449,6 @@ class PolicyTrainer:
         if self.config.routing_replay:
             return trajectories
         return [_without_routing(t) for t in trajectories]
-
-    @contextlib.contextmanager
-    def _routers_observe(self, observe: bool):
-        """Padding micro-batches must not feed the balancers (the routers' `training` flag gates observation)."""
-        gates = [moe.gate for moe in self.policy.moe_layers]
-        was = [gate.training for gate in gates]
-        if not observe:
-            for gate in gates:
-                gate.training = False
-        try:
-            yield
-        finally:
-            for gate, training in zip(gates, was):
-                gate.training = training
 
     def _sum_over_ranks(self, sums: Counter[str]) -> dict[str, float]:
         keys = sorted(sums)

@@ -17,6 +17,7 @@ and what crosses ranks under context or expert parallelism lives in context_para
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -282,6 +283,22 @@ class HybridMoEForCausalLM(HybridMoEPreTrainedModel):
             out = self(nxt, cache=cache, use_cache=True)
             logits = out.logits[:, -1]
         return torch.cat(tokens, dim=1)
+
+    @contextlib.contextmanager
+    def balancers_observing(self, observe: bool):
+        """Whether the routers feed their balancers meanwhile (their `training` flag gates observation). A trainer
+        turns it off for padding micro-batches and for the backward, where gradient checkpointing runs each layer's
+        forward again: the same tokens would be counted twice, at a dozen more kernel launches per MoE layer."""
+        gates = [moe.gate for moe in self.moe_layers]
+        was = [gate.training for gate in gates]
+        if not observe:
+            for gate in gates:
+                gate.training = False
+        try:
+            yield
+        finally:
+            for gate, training in zip(gates, was):
+                gate.training = training
 
     @torch.no_grad()
     def update_expert_bias(self, all_reduce=None) -> dict[str, float]:

@@ -207,3 +207,17 @@ def test_under_zero3_every_kda_layer_hands_fla_one_offsets_object(model_dir, tmp
         trainer.close()
     assert len(seen) == 2 * kda_layers  # the forward and the recomputation under the backward
     assert len({id(offsets) for offsets in seen}) == 1
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_balancers_count_each_token_once_per_step(model_dir, tmp_path, checkpointing):  # noqa: F811
+    """Gradient checkpointing runs every layer's forward again in the backward; the routers' balancers observe the
+    forward only, so a step's load counts each packed token top_k times per MoE layer either way."""
+    trainer = one_rank_trainer(model_dir, tmp_path, gradient_checkpointing=checkpointing)
+    try:
+        metrics = trainer.step([oracle(i, np.random.default_rng(i)) for i in range(4)], LossConfig(kind="sft"))
+        top_k = trainer.policy.config.num_experts_per_token
+        for moe in trainer.policy.moe_layers:
+            assert moe.gate.balancer.last_stats.load_E.sum().item() == metrics["packed_tokens"] * top_k
+    finally:
+        trainer.close()
