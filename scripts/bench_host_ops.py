@@ -319,7 +319,9 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
 
         def bare(with_adam: bool) -> None:
             for micro in plan.per_rank[0]:
-                micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu").loss.backward()
+                out = micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu")
+                with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
+                    out.loss.backward()
             if with_adam:
                 adam.step()
             model.zero_grad(set_to_none=True)
