@@ -228,11 +228,16 @@ def cuda_form():
          mla.mla_attention, layers.RMSNorm.forward) = saved
 
 
-def count(step, sites: tuple[str, ...] = ()) -> tuple[OpCounter, OpCounter]:
-    """The operations of `step()`'s forward (it returns a scalar loss) and of its backward."""
+def count(step, sites: tuple[str, ...] = (), backward_context=contextlib.nullcontext) -> tuple[OpCounter, OpCounter]:
+    """The operations of `step()`'s forward (it returns a scalar loss) and of its backward (run under
+    `backward_context()`)."""
     loss = []
     forward = count_call(lambda: loss.append(step()), sites)
-    return forward, count_call(lambda: loss[0].backward(), sites)
+
+    def backward():
+        with backward_context():
+            loss[0].backward()
+    return forward, count_call(backward, sites)
 
 
 def count_call(fn, sites: tuple[str, ...] = ()) -> OpCounter:
@@ -275,9 +280,11 @@ def bench_layers(preset: str, tokens: int, checkpointing: bool) -> None:
             if checkpointing:
                 plain = step
                 step = lambda plain=plain: torch.utils.checkpoint.checkpoint(plain, use_reentrant=False)  # noqa: E731
-            count(step)  # a first call: lazily built state (the balancer's counters) is not a step's cost
+            # as the trainer: a recomputation in the backward does not feed the balancers again
+            without_balancers = lambda: model.balancers_observing(False)  # noqa: E731
+            count(step, backward_context=without_balancers)  # a first call: lazily built state is not a step's cost
             model.zero_grad(set_to_none=True)
-            fwd, bwd = count(step)
+            fwd, bwd = count(step, backward_context=without_balancers)
             model.zero_grad(set_to_none=True)
             per_layer = fwd.total + bwd.total
             rows.append([name, num_layers, sum(fwd.ops.values()), sum(bwd.ops.values()), fwd.fused, bwd.fused,
