@@ -14,6 +14,17 @@ if compgen -G ".gpuwheels/tc.part_*" >/dev/null; then
     mkdir -p ~/.triton && cat .gpuwheels/tc.part_* | tar xJf - -C ~/.triton
 fi
 
-save_triton_cache() {  # the kernel cache as xz parts under the 16 MiB per-file limit of what comes back from $OUT
-    tar cf - -C ~/.triton cache | xz -T0 -6 | split -b 15M - "$OUT/tc.part_"
+save_triton_cache() {  # the kernel cache as xz parts within what comes back from $OUT (64 MiB in all, 16 MiB a file)
+    # The cache only grows (every shape and kernel variant ever compiled), and once it compressed past the limit the
+    # last part did not come back. Newest kernels first: the oldest fifth is left out until the archive fits.
+    local budget=$((${TRITON_CACHE_BUDGET_MB:-56} << 20)) dirs
+    mapfile -t dirs < <(cd ~/.triton/cache && ls -1t)
+    while :; do
+        (cd ~/.triton && printf 'cache/%s\n' "${dirs[@]}" | tar cf - -T -) | xz -T0 -6 > /tmp/tc.tar.xz
+        if [ "$(stat -c %s /tmp/tc.tar.xz)" -le "$budget" ] || [ "${#dirs[@]}" -le 1 ]; then break; fi
+        echo "save_triton_cache: $(du -m /tmp/tc.tar.xz | cut -f1) MiB over the budget; leaving out the oldest fifth" >&2
+        dirs=("${dirs[@]:0:$(( ${#dirs[@]} * 4 / 5 ))}")
+    done
+    split -b 15M /tmp/tc.tar.xz "$OUT/tc.part_"
+    rm -f /tmp/tc.tar.xz
 }
