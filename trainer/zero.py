@@ -8,7 +8,10 @@ the hybrid model and are registered here:
 - the MoE block (`SparseMoE`) indexes expert weights by routing, which differs between ranks: as a *leaf* module its
   parameters are gathered as one unit, so every rank issues the same collectives (without this, ranks that route
   differently deadlock);
-- KDA reads its short-convolution and output-norm weights directly (`self.q_conv1d.weight`): a leaf module too;
+- KDA reads its short-convolution and output-norm weights directly (`self.q_conv1d.weight`), and KDA, MLA and the
+  dense MLP read their projections' weights to run them as one GEMM (`layers.linear_many`): leaf modules too, whose
+  children DeepSpeed then neither hooks nor gathers one by one (fewer hooks per step; without it DeepSpeed found
+  those weights only on access, gathering each alone the first time);
 - Block AttnRes mixes read the norm and query weights in the decoder's forward, and the chunked log-prob head reads
   `lm_head.weight` in the wrapper's forward: *external parameters* of the module whose forward reads them.
 
@@ -51,10 +54,12 @@ from deepspeed.runtime.zero.utils import get_norm_dtype  # noqa: E402
 from deepspeed.utils import groups, set_z3_leaf_modules  # noqa: E402
 
 from agentrl.model.kda import KimiDeltaAttention  # noqa: E402
+from agentrl.model.layers import MLP  # noqa: E402
+from agentrl.model.mla import GatedMLA  # noqa: E402
 from agentrl.model.moe import SparseMoE  # noqa: E402
 from agentrl.trainer.host_copy import to_host  # noqa: E402
 
-Z3_LEAF_MODULES = (SparseMoE, KimiDeltaAttention)
+Z3_LEAF_MODULES = (SparseMoE, KimiDeltaAttention, GatedMLA, MLP)
 
 
 def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int,

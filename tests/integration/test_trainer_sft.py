@@ -221,3 +221,21 @@ def test_the_balancers_count_each_token_once_per_step(model_dir, tmp_path, check
             assert moe.gate.balancer.last_stats.load_E.sum().item() == metrics["packed_tokens"] * top_k
     finally:
         trainer.close()
+
+
+def test_under_zero3_no_parameter_is_found_only_on_access(model_dir, tmp_path):  # noqa: F811
+    """ZeRO-3 gathers a module's parameters when its forward runs; a forward that reads a weight of another module's
+    makes DeepSpeed gather that weight alone on access and register it as the reader's external parameter. The
+    leaf modules and external parameters of `zero.prepare_zero3` cover every such read: after a step the only
+    external parameters are the ones it registers (the log-prob head's weight, Block AttnRes's norms and queries)."""
+    trainer = one_rank_trainer(model_dir, tmp_path, zero_stage=3, gradient_checkpointing=True,
+                               zero3_param_persistence_threshold=0)
+    try:
+        trainer.step([oracle(i, np.random.default_rng(i)) for i in range(4)], LossConfig(kind="sft"))
+        names = {id(p): n for n, p in trainer.engine.module.named_parameters()}
+        found = sorted(names[id(p)] for m in trainer.engine.module.modules()
+                       for p in getattr(m, "_external_params", {}).values())
+    finally:
+        trainer.close()
+    assert found, "the registered external parameters are missing"
+    assert all(n.endswith("lm_head.weight") or "_res_norm." in n or "_res_proj." in n for n in found), found
