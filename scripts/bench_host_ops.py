@@ -298,6 +298,28 @@ def bench_layers(preset: str, tokens: int, checkpointing: bool) -> None:
                          rows + [["all layers", sum(r[1] for r in rows), "", "", "", "", "", sum(r[7] for r in rows)]]))
 
 
+@contextlib.contextmanager
+def zero3_module_fetches(counts: collections.Counter):
+    """Counts ZeRO-3's parameter fetches per module call (`fetch_sub_module`: the hook's pass of Python over the
+    module's parameters, forward, recomputation and backward) and the parameters they cover: host work that the
+    dispatch counts miss, since at one rank nothing is gathered (DeepSpeed's `_no_gather_coalesced`)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    fetch = PartitionedParameterCoordinator.fetch_sub_module
+
+    def counted(self, module, *args, **kwargs):
+        counts["modules"] += 1
+        counts["parameters"] += sum(1 for _ in iter_params(module, recurse=z3_leaf_module(module)))
+        return fetch(self, module, *args, **kwargs)
+
+    PartitionedParameterCoordinator.fetch_sub_module = counted
+    try:
+        yield
+    finally:
+        PartitionedParameterCoordinator.fetch_sub_module = fetch
+
+
 def bench_trainer(preset: str, tokens: int, top: int) -> None:
     """DeepSpeed's step on one rank against the bare forward + backward (and + AdamW) of the same micro-batches."""
     from agentrl.net import free_port
@@ -335,25 +357,28 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
 
         bare(True)
         bare_ops = count_call(lambda: bare(False)).total
-        rows.append(["bare fwd+bwd", bare_ops, "", "", ""])
-        rows.append(["bare + AdamW (foreach)", count_call(lambda: bare(True)).total, "", "", ""])
+        rows.append(["bare fwd+bwd", bare_ops, "", "", "", ""])
+        rows.append(["bare + AdamW (foreach)", count_call(lambda: bare(True)).total, "", "", "", ""])
         for stage in (2, 3):
             with tempfile.TemporaryDirectory() as run_dir:
                 trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=stage, dtype="bf16", lr=1e-6,
                                                       micro_batch_tokens=tokens), config)
                 for _ in range(2):  # ZeRO-3 records its parameter trace over the first steps
                     trainer.step(batch)
-                counter = count_call(lambda: trainer.step(batch), sites)
+                fetches: collections.Counter = collections.Counter()
+                with zero3_module_fetches(fetches):
+                    counter = count_call(lambda: trainer.step(batch), sites)
                 trainer.close()
             syncs = counter.ops["_local_scalar_dense"]
-            rows.append([f"ZeRO-{stage} step", counter.total, counter.total - bare_ops, syncs])
-            outside = sum(counter.by_site.values())
-            rows[-1].append(outside)
+            rows.append([f"ZeRO-{stage} step", counter.total, counter.total - bare_ops, syncs,
+                         sum(counter.by_site.values()),
+                         f"{fetches['modules']} / {fetches['parameters']}" if stage == 3 else ""])
             site_rows += [[f"ZeRO-{stage}", op, f"`{site}`", n] for (op, site), n in counter.by_site.most_common(top)]
     print(f"\n### Host dispatches of one training step, `{preset}` preset, {tokens} tokens in "
           f"{len(plan.per_rank[0])} micro-batch(es), one rank, CPU in the CUDA form\n")
     print(markdown_table(["step", "dispatches", "over the bare step", "scalar reads (host syncs on CUDA)",
-                          "outside the model's forward and backward"], rows))
+                          "outside the model's forward and backward", "ZeRO-3 module fetches / parameters fetched"],
+                         rows))
     print(f"\n### Where the dispatches outside the model's forward and backward come from (DeepSpeed, the trainer, "
           f"Quantile Balancing's update), top {top} per stage\n")
     print(markdown_table(["step", "aten op", "innermost DeepSpeed / trainer frame", "calls"], site_rows))
