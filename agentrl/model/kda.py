@@ -11,7 +11,9 @@ Legend: T = packed tokens, N = sequences, D = hidden, H = KDA heads, K = head di
 
 The decay carries position: there is no RoPE anywhere. Tensor names are those of the Kimi Linear / K3 checkpoints.
 The kernel (chunked for training and prefill, one recurrent step for decoding) comes from `kda_ops`, which picks
-fla on CUDA and the chunked PyTorch form on CPU.
+fla on CUDA and the chunked PyTorch form on CPU. The layer hands it the projections (q, k before their L2 norm, z,
+β's logits) with A_log and dt_bias: fla applies the norms, the gate and the sigmoid inside its kernels, as fla's own
+KDA layer has it do; `kda_ops.prologue` is the same in PyTorch.
 """
 
 from __future__ import annotations
