@@ -504,7 +504,6 @@ def chunk_kda_torch(
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
 @dataclass(frozen=True)
 class GateParams:
     """The KDA layer's decay-gate parameters: A_log [H] and dt_bias [H·K] (both fp32; gradients flow to them)."""
@@ -536,6 +535,7 @@ def prologue(q: Tensor, k: Tensor, z: Tensor, beta_logits: Tensor, gate: GatePar
     return l2norm(q), l2norm(k), kda_gate(z, gate, lower_bound), beta
 
 
+@lru_cache(maxsize=1)
 def _import_fla_kda() -> ModuleType | None:
     try:
         return importlib.import_module("fla.ops.kda")
