@@ -9,7 +9,8 @@ The job is the quickstart's config, shortened (a few SFT steps, small groups), o
 every 10th task's env raises, hangs, has a tool return 10 MB or ends its process. While it runs, the harness SIGKILLs,
 at seeded random moments spread over the run, one of: a rollout worker (`ray::RolloutWorker`), vLLM's engine core
 (`VLLM::EngineCore`), a trainer rank (`ray::PolicyTrainer`), the trajectory store actor (`ray::TrajectoryStore`) or the
-driver itself. The job heals what it can in place (a new worker and engine, the episodes rerun; a restart from the
+driver itself; one fault at a time (the next waits until the job has printed a step since it healed from the last).
+The job heals what it can in place (a new worker and engine, the episodes rerun; a restart from the
 last checkpoint for a lost trainer rank or store); a killed driver is started again with the same command, as a user
 would, after the harness has checked what the dead one left running.
 
@@ -79,7 +80,7 @@ def job_overrides(run_dir: str, *, steps: int, mode: str, seed: int, extra: tupl
 @dataclasses.dataclass
 class Fault:
     kind: str
-    after_step: int  # injected once the job has printed this RL step
+    after_step: int  # injected once the job has printed this RL step (and healed from the fault before)
     delay_s: float  # and this long after
     injected_at: float = 0.0  # monotonic
     injected_wall: float = 0.0  # time.time(), to match the store's events
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
             if int(match.group(1)) > step:
                 step = int(match.group(1))
                 step_times.append(time.monotonic())
-        if pending and step >= pending[0].after_step:
+        if pending and ready(pending[0], faults, step):
             fault = pending.pop(0)
             time.sleep(fault.delay_s)
             inject(job, fault, step, leftovers)
@@ -215,20 +216,34 @@ def run(args: argparse.Namespace, run_dir: str, faults: list[Fault]) -> dict:
             if len(step_times) > 2 else 0.0}
 
 
+def ready(fault: Fault, faults: list[Fault], step: int) -> bool:
+    """Whether `fault` is due: the job has printed its step, and a step since it healed from every fault injected
+    before (a kill that lands while the job restarts from its checkpoint would hit a process the restart is ending
+    anyway, or none: one fault at a time)."""
+    return step >= fault.after_step and all(f.recovery_s or f.healed == "missed" for f in faults if f.at_step)
+
+
 def inject(job: Job, fault: Fault, step: int, leftovers: list) -> None:
     """SIGKILLs the fault's process. A job that is restarting has none of that kind for a while (the engine core
     between a worker's death and its replacement's start, any actor while the job restarts from its checkpoint): the
     fault waits up to FIND_WAIT_S for one, and is "missed" only if none comes."""
     fault.at_step = step
     deadline = time.monotonic() + FIND_WAIT_S
-    while (pid := find(job, fault.kind)) is None and time.monotonic() < deadline and job.proc.poll() is None:
+    while True:
+        if time.monotonic() > deadline or job.proc.poll() is not None:
+            fault.healed = "missed"
+            return
+        pid = find(job, fault.kind)
+        before = job.processes() if fault.kind == "driver" else []
+        injected_at, injected_wall = time.monotonic(), time.time()
+        try:
+            if pid is not None and alive(pid):  # one that ended between finding and killing it is looked for again
+                os.kill(pid, signal.SIGKILL)
+                break
+        except ProcessLookupError:
+            pass
         time.sleep(0.5)
-    if pid is None or not alive(pid):
-        fault.healed = "missed"
-        return
-    before = job.processes() if fault.kind == "driver" else []
-    fault.pid, fault.injected_at, fault.injected_wall = pid, time.monotonic(), time.time()
-    os.kill(pid, signal.SIGKILL)
+    fault.pid, fault.injected_at, fault.injected_wall = pid, injected_at, injected_wall
     if fault.kind == "driver":  # what the dead driver left behind must end by itself
         job.proc.wait()
         time.sleep(GRACE_S + 5)  # the job's reaper kills what did not end by itself after GRACE_S
@@ -373,13 +388,13 @@ def main() -> int:
           "|---|---|---|---|---|---|---|---|---|")
     for i, f in enumerate(faults):
         w = lost[i]
-        print(f"| {i + 1} | {f.kind} | {f.at_step} | {f.healed or 'not seen'} | {f.recovery_s:.1f} | "
+        print(f"| {i + 1} | {f.kind} | {f.at_step} | {f.healed or ('not seen' if f.at_step else 'not injected: the run ended first')} | {f.recovery_s:.1f} | "
               f"{w['resumed']} / {w['restarted']} | {w['carried_tokens']} | {w['lost_tokens']} | {w['lost_s']:.1f} |")
     total = {k: sum(w[k] for w in lost.values()) for k in ("carried_tokens", "lost_tokens", "lost_s")}
     print(f"\ninterrupted episodes: {total['carried_tokens']} sampled tokens carried over from snapshots, "
           f"{total['lost_tokens']} lost ({total['lost_s']:.1f} episode-seconds)")
     survived = sum(f.healed not in ("", "missed") for f in faults)
-    print(f"\nfaults survived: {survived} of {len(faults)} injected ({sum(f.healed == 'missed' for f in faults)} "
+    print(f"\nfaults survived: {survived} of {sum(bool(f.at_step) for f in faults)} injected ({sum(f.healed == 'missed' for f in faults)} "
           f"found no target); rollout workers replaced: {outcome['replacements']}; attempts (driver starts): "
           f"{outcome['attempts']}; run length {outcome['seconds']:.0f}s; "
           f"median step {outcome['step_s']:.1f}s")
