@@ -1,5 +1,7 @@
 """Job configs: YAML deltas over typed defaults, overrides, and errors that name the key before anything starts."""
 
+import warnings
+
 import pytest
 
 from agentrl.config import ConfigError, JobConfig, load_config
@@ -110,3 +112,13 @@ def test_an_override_replaces_a_value_and_env_kwargs_belong_to_their_env():
     assert job.env.kwargs == {"max_turns": 5, "kinds": [0, 3], "max_operand": 9}
     job, _ = load_config("configs/quickstart.yaml", ["env.id=agentrl/Calc-v0"])  # the same env: its kwargs stay
     assert job.env.kwargs["kinds"] == [0, 3]
+
+
+def test_zero3_on_one_trainer_rank_warns_and_more_ranks_do_not():
+    with pytest.warns(UserWarning, match="trainer.zero_stage=3 with cluster.trainer_ranks=1"):
+        job, _ = load_config("configs/quickstart.yaml", ["trainer.zero_stage=3"])
+    assert job.trainer.zero_stage == 3  # a warning: the user's choice stands
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("configs/quickstart.yaml", ["trainer.zero_stage=3", "cluster.trainer_ranks=2"])
+        load_config("configs/quickstart.yaml", ["trainer.zero_stage=2"])
