@@ -549,9 +549,11 @@ def bench_weight_ipc(models=("small", "kimi-linear-4l"), buckets_mb=(1024, 256),
 
 
 # --- trainer: DeepSpeed around the forward + backward ------------------------------------------------------------
-def _trainer_batch(vocab: int, tokens: int, sequences: int = 8):
+def _trainer_batch(vocab: int, tokens: int, sequences: int = 8, prompt: int = 64):
     """`sequences` trajectories in two GRPO groups that pack to exactly `tokens` training tokens (each trains on its
-    tokens[:-1] → tokens[1:]): a 64-token prompt, the rest sampled at version 0."""
+    tokens[:-1] → tokens[1:]): a `prompt`-token prompt, the rest sampled at version 0."""
+    if tokens // sequences + 1 <= prompt:
+        raise ValueError(f"{tokens} tokens in {sequences} sequences leave none to sample after {prompt}-token prompts")
     import numpy as np
 
     from agentrl.types import Trajectory
@@ -561,8 +563,8 @@ def _trainer_batch(vocab: int, tokens: int, sequences: int = 8):
     for i in range(sequences):
         t = Trajectory(trajectory_id=f"t{i}", task_id=f"g{i % 2}", group_id=f"g{i % 2}", env_id="bench",
                        reward=float(i % 3))
-        sampled = tokens // sequences + 1 - 64
-        t.append_prompt(rng.integers(0, vocab, 64).tolist())
+        sampled = tokens // sequences + 1 - prompt
+        t.append_prompt(rng.integers(0, vocab, prompt).tolist())
         t.append_sampled(rng.integers(0, vocab, sampled).tolist(), (-8.0 - rng.random(sampled)).tolist(), version=0)
         batch.append(t)
     return batch
@@ -618,6 +620,7 @@ class Variant:
     stage: int
     engine: dict = dataclasses.field(default_factory=dict)  # merged into zero.engine_config's
     balancing: bool = True  # Quantile Balancing's statistics and bias updates
+    bias_update: bool = True  # Quantile Balancing's bias update after each optimizer step (the statistics kept)
     per_tensor_overflow_check: bool = False  # DeepSpeed's own pass over every gradient (trainer/zero.py drops it)
     per_tensor_grad_norm: bool = False  # DeepSpeed's norm of one gradient at a time (trainer/zero.py: one pass)
     metrics_read_per_value: bool = False  # each loss metric read back as computed (before session 30: ~10 per micro)
@@ -633,11 +636,13 @@ TRAINER_VARIANTS = {
     "zero2, contiguous_gradients off": Variant(2, {"zero_optimization": {"contiguous_gradients": False}}),
     "zero2, reduce buckets 1e8": Variant(2, {"zero_optimization": {"reduce_bucket_size": 10**8}}),
     "zero2, no QB": Variant(2, balancing=False),
+    "zero2, no QB bias update": Variant(2, bias_update=False),
     "zero2, metrics read per value": Variant(2, metrics_read_per_value=True),
     "zero3, no overflow check": Variant(3, {"bf16": {"check_grad_overflow": False}}),
     "zero3, all params persistent": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**10}}),
     "zero3, prefetch 2e8": Variant(3, {"zero_optimization": {"stage3_prefetch_bucket_size": 2 * 10**8}}),
     "zero3, persistence 1e6": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**6}}),
+    "zero3, nothing persistent": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 0}}),
     "zero3, offsets as DeepSpeed passes them": Variant(3, offsets_as_passed=True),
 }
 
@@ -715,6 +720,7 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
     if not variant.balancing:  # the routers neither observe nor update their biases
         observing = trainer.policy.balancers_observing
         trainer.policy.balancers_observing = lambda observe: observing(False)
+    if not (variant.balancing and variant.bias_update):
         trainer.policy.update_expert_bias = lambda **kw: {}
     return trainer
 

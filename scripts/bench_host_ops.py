@@ -384,6 +384,88 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
     print(markdown_table(["step", "aten op", "innermost DeepSpeed / trainer frame", "calls"], site_rows))
 
 
+# widths at which a step's compute is negligible next to the host's work; the structure (layers, experts, top-k,
+# heads, every parameter's name) stays the preset's. Quantile Balancing's histograms too: 4,096 bins per expert are
+# a few microseconds of a GPU's time but milliseconds of this CPU's (their fp64 copy and cumulative sum)
+_NARROW = dict(vocab_size=512, hidden_size=32, intermediate_size=64, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16, routed_expert_hidden_size=16,
+               moe_balancing_bins=16)
+_STRUCTURAL = ("routed_expert_hidden_size",)  # set only where the preset sets it: it adds the latent projections
+
+
+def narrow_config(preset: str):
+    """The preset's structure at the `_NARROW` widths (KDA's heads 8 wide): what its step costs the host."""
+    from agentrl.model.config import PRESETS
+
+    base = PRESETS[preset]
+    narrow = {k: v for k, v in _NARROW.items() if k not in _STRUCTURAL or k in base}
+    return preset_config(preset, **narrow, linear_attn_config=dict(base["linear_attn_config"], head_dim=8))
+
+
+def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str]) -> None:
+    """Wall time of DeepSpeed's step against the bare forward + backward, timed on CPU with the preset's structure
+    at negligible widths (`narrow_config`): the host's own cost of each, which a GPU's short step is bound by."""
+    import statistics
+    import time
+
+    from agentrl.net import free_port
+    from agentrl.trainer.batching import plan_step
+    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+    from agentrl.trainer.losses import LossConfig, grpo_advantages
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    from bench_gpu import _deepspeed_trainer, _trainer_batch  # bench_gpu's trainer table, its variants
+
+    config = narrow_config(preset)
+    batch = _trainer_batch(config.vocab_size, tokens, prompt=4)
+    torch.set_num_threads(1)  # one thread issues a GPU step's work; a pool's hand-offs would be CPU's own cost
+
+    def seconds(step) -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    rows = []
+    with cuda_form():
+        torch.manual_seed(0)
+        model = HybridMoEForCausalLM(config).to(torch.bfloat16).train()
+        model.gradient_checkpointing_enable()
+        loss = LossConfig()
+        plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
+                         token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
+                         num_moe_layers=len(model.moe_layers))
+
+        def bare() -> None:
+            for micro in plan.per_rank[0]:
+                out = micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu")
+                with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
+                    out.loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for what in variants:
+            with tempfile.TemporaryDirectory() as run_dir:
+                trainer = _deepspeed_trainer(what, config, tokens, run_dir)
+                steps = (bare, lambda: trainer.step(batch))
+                for step in steps:  # warm-up: ZeRO-3 records its parameter trace over the first steps
+                    step(), step()
+                times: list[list[float]] = [[], []]
+                for _ in range(rounds):  # interleaved: what drifts over the run hits both alike
+                    for step, out in zip(steps, times):
+                        out.append(seconds(step))
+                trainer.close()
+            ratios = sorted(b / d for b, d in zip(*times))
+            bare_ms, step_ms = (statistics.median(t) * 1e3 for t in times)
+            rows.append([what, f"{bare_ms:.1f}", f"{step_ms:.1f}", f"{step_ms - bare_ms:+.1f}",
+                         f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"])
+            print(f"  {what}: bare {bare_ms:.1f} ms, step {step_ms:.1f} ms", flush=True)
+    print(f"\n### Host time of one training step on CPU: the `{preset}` preset's structure at negligible widths "
+          f"({sum(1 for _ in model.parameters())} parameters), {tokens} tokens, one rank, one thread, CPU in the CUDA form, "
+          f"median of {rounds} interleaved rounds\n")
+    print(markdown_table(["step", "bare fwd+bwd (ms)", "DeepSpeed step (ms)", "over bare (ms)",
+                          "bare / step (range)"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
@@ -391,8 +473,14 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="the layer's forward recomputed in backward")
     parser.add_argument("--trainer", action="store_true", help="DeepSpeed's step against the bare one")
     parser.add_argument("--top", type=int, default=12, help="--trainer: call sites listed per stage")
+    parser.add_argument("--host-time", nargs="*", default=None, metavar="VARIANT",
+                        help="time DeepSpeed's step against the bare one at negligible widths (default 64 tokens), "
+                             "for these of bench_gpu's TRAINER_VARIANTS (default: zero2 zero3)")
+    parser.add_argument("--rounds", type=int, default=15, help="--host-time: interleaved rounds")
     args = parser.parse_args()
-    if args.trainer:
+    if args.host_time is not None:
+        bench_host_time(args.preset, args.tokens or 64, args.rounds, args.host_time or ["zero2", "zero3"])
+    elif args.trainer:
         bench_trainer(args.preset, args.tokens or 1024, args.top)
     else:
         bench_layers(args.preset, args.tokens or 512, args.checkpointing)

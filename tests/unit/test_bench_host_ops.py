@@ -59,3 +59,20 @@ def test_views_and_the_insides_of_a_fused_call_are_not_counted():
     assert dict(fwd.ops) == {"mul": 1, "sum": 1} and fwd.fused == 1
     assert bwd.fused == 1 and "tanh" not in bwd.ops and "exp" not in bwd.ops
     assert x.grad is not None and w.grad is not None
+
+
+def test_the_narrow_config_keeps_the_presets_structure_at_small_widths():
+    """--host-time times the preset's structure: every parameter the preset has (name and rank), and no other, far
+    fewer elements, and the layers' kinds unchanged; for a preset without latent MoE too."""
+    bench = _script()
+    for preset in ("small", "kimi-linear-tiny"):
+        with torch.device("meta"):
+            full = HybridMoEForCausalLM(preset_config(preset))
+            narrow = HybridMoEForCausalLM(bench.narrow_config(preset))
+        shapes = {n: p.dim() for n, p in full.named_parameters()}
+        assert {n: p.dim() for n, p in narrow.named_parameters()} == shapes, preset
+        assert [(layer.is_kda, layer.is_moe) for layer in narrow.model.layers] == \
+            [(layer.is_kda, layer.is_moe) for layer in full.model.layers]
+        assert narrow.config.moe_balancing_bins < full.config.moe_balancing_bins
+        if preset == "small":
+            assert sum(p.numel() for p in narrow.parameters()) < sum(p.numel() for p in full.parameters()) / 500
