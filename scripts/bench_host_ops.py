@@ -14,12 +14,19 @@ is involved, so one run per tree is the whole measurement.
     .venv/bin/python scripts/bench_host_ops.py                  # the `small` preset, 512 tokens
     .venv/bin/python scripts/bench_host_ops.py --checkpointing  # with activation checkpointing (forward runs twice)
     .venv/bin/python scripts/bench_host_ops.py --trainer        # DeepSpeed's step (one rank) against the bare one
+    .venv/bin/python scripts/bench_host_ops.py --host-time zero2 zero3 [--profile 40]   # the same, timed
 
 `--trainer` counts a `PolicyTrainer.step` (ZeRO-2 and ZeRO-3, one rank on gloo, gradient checkpointing on, as the
 trainer defaults) against the bare forward + backward of the same packed micro-batch (issue 26, item 3: DeepSpeed's
 cost around the step), and lists the call sites in DeepSpeed and in agentrl's trainer that dispatch the most.
 DeepSpeed's CPU accelerator runs without `overlap_comm` (no side stream), and the bare step's AdamW runs the
 foreach form (fused AdamW is CUDA's), so the optimizer rows are CPU's, not CUDA's.
+
+`--host-time` times what the counts cannot see, the host's Python around each dispatch (DeepSpeed's hooks, bucket
+bookkeeping and ZeRO-3's per-module fetches): the preset's structure at widths where compute is negligible
+(`narrow_config`), one thread, DeepSpeed's step (bench_gpu.py's TRAINER_VARIANTS, by name) alternating with the bare
+forward + backward. Its bare step still holds the stand-ins' reference compute, so "over bare" is the figure to read,
+not the ratio.
 """
 
 from __future__ import annotations
@@ -402,9 +409,13 @@ def narrow_config(preset: str):
     return preset_config(preset, **narrow, linear_attn_config=dict(base["linear_attn_config"], head_dim=8))
 
 
-def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str]) -> None:
+def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], profile: int = 0) -> None:
     """Wall time of DeepSpeed's step against the bare forward + backward, timed on CPU with the preset's structure
-    at negligible widths (`narrow_config`): the host's own cost of each, which a GPU's short step is bound by."""
+    at negligible widths (`narrow_config`): the host's own cost of each, which a GPU's short step is bound by. With
+    `profile`, each variant's DeepSpeed functions by cumulative time over 5 more steps under cProfile (top
+    `profile`)."""
+    import cProfile
+    import pstats
     import statistics
     import time
 
@@ -453,6 +464,11 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str]) 
                 for _ in range(rounds):  # interleaved: what drifts over the run hits both alike
                     for step, out in zip(steps, times):
                         out.append(seconds(step))
+                if profile:
+                    profiler = cProfile.Profile()
+                    profiler.runcall(lambda: [trainer.step(batch) for _ in range(5)])
+                    print(f"\n#### {what}: DeepSpeed's functions over 5 steps under cProfile (its overhead included)")
+                    pstats.Stats(profiler).sort_stats("cumulative").print_stats("deepspeed/", profile)
                 trainer.close()
             ratios = sorted(b / d for b, d in zip(*times))
             bare_ms, step_ms = (statistics.median(t) * 1e3 for t in times)
@@ -477,9 +493,12 @@ def main() -> None:
                         help="time DeepSpeed's step against the bare one at negligible widths (default 64 tokens), "
                              "for these of bench_gpu's TRAINER_VARIANTS (default: zero2 zero3)")
     parser.add_argument("--rounds", type=int, default=15, help="--host-time: interleaved rounds")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="--host-time: also list each variant's TOP DeepSpeed functions by cumulative time")
     args = parser.parse_args()
     if args.host_time is not None:
-        bench_host_time(args.preset, args.tokens or 64, args.rounds, args.host_time or ["zero2", "zero3"])
+        bench_host_time(args.preset, args.tokens or 64, args.rounds, args.host_time or ["zero2", "zero3"],
+                        args.profile)
     elif args.trainer:
         bench_trainer(args.preset, args.tokens or 1024, args.top)
     else:
