@@ -327,13 +327,37 @@ def zero3_module_fetches(counts: collections.Counter):
         PartitionedParameterCoordinator.fetch_sub_module = fetch
 
 
+def bare_step(config, batch, tokens: int):
+    """(a plain bf16 model of `config` with gradient checkpointing on, as the trainer defaults; the packing plan of
+    `batch`; a function running the trainer's loss path forward + backward over its micro-batches, then
+    `optimizer.step()` when given one): what DeepSpeed's step is measured against."""
+    from agentrl.trainer.batching import plan_step
+    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
+    from agentrl.trainer.losses import LossConfig, grpo_advantages
+
+    torch.manual_seed(0)
+    model = HybridMoEForCausalLM(config).to(torch.bfloat16).train()
+    model.gradient_checkpointing_enable()
+    loss = LossConfig()
+    plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
+                     token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
+                     num_moe_layers=len(model.moe_layers))
+
+    def step(optimizer=None) -> None:
+        for micro in plan.per_rank[0]:
+            out = micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu")
+            with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
+                out.loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+    return model, plan, step
+
+
 def bench_trainer(preset: str, tokens: int, top: int) -> None:
     """DeepSpeed's step on one rank against the bare forward + backward (and + AdamW) of the same micro-batches."""
     from agentrl.net import free_port
     from agentrl.trainer import PolicyTrainer, TrainerConfig
-    from agentrl.trainer.batching import plan_step
-    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
-    from agentrl.trainer.losses import LossConfig, grpo_advantages
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
@@ -344,28 +368,12 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
     sites = ("deepspeed/", "/trainer/", "/agentrl/model/")
     rows, site_rows = [], []
     with cuda_form():
-        torch.manual_seed(0)
-        model = HybridMoEForCausalLM(config).to(torch.bfloat16).train()
-        model.gradient_checkpointing_enable()
-        loss = LossConfig()
-        plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
-                         token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
-                         num_moe_layers=len(model.moe_layers))
+        model, plan, bare = bare_step(config, batch, tokens)
         adam = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
-
-        def bare(with_adam: bool) -> None:
-            for micro in plan.per_rank[0]:
-                out = micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu")
-                with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
-                    out.loss.backward()
-            if with_adam:
-                adam.step()
-            model.zero_grad(set_to_none=True)
-
-        bare(True)
-        bare_ops = count_call(lambda: bare(False)).total
+        bare(adam)
+        bare_ops = count_call(bare).total
         rows.append(["bare fwd+bwd", bare_ops, "", "", "", ""])
-        rows.append(["bare + AdamW (foreach)", count_call(lambda: bare(True)).total, "", "", "", ""])
+        rows.append(["bare + AdamW (foreach)", count_call(lambda: bare(adam)).total, "", "", "", ""])
         for stage in (2, 3):
             with tempfile.TemporaryDirectory() as run_dir:
                 trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=stage, dtype="bf16", lr=1e-6,
@@ -420,9 +428,6 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     import time
 
     from agentrl.net import free_port
-    from agentrl.trainer.batching import plan_step
-    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
-    from agentrl.trainer.losses import LossConfig, grpo_advantages
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
@@ -439,21 +444,7 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
 
     rows = []
     with cuda_form():
-        torch.manual_seed(0)
-        model = HybridMoEForCausalLM(config).to(torch.bfloat16).train()
-        model.gradient_checkpointing_enable()
-        loss = LossConfig()
-        plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
-                         token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
-                         num_moe_layers=len(model.moe_layers))
-
-        def bare() -> None:
-            for micro in plan.per_rank[0]:
-                out = micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu")
-                with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
-                    out.loss.backward()
-            model.zero_grad(set_to_none=True)
-
+        model, _, bare = bare_step(config, batch, tokens)
         for what in variants:
             with tempfile.TemporaryDirectory() as run_dir:
                 trainer = _deepspeed_trainer(what, config, tokens, run_dir)
