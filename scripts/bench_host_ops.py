@@ -25,8 +25,8 @@ foreach form (fused AdamW is CUDA's), so the optimizer rows are CPU's, not CUDA'
 `--host-time` times what the counts cannot see, the host's Python around each dispatch (DeepSpeed's hooks, bucket
 bookkeeping and ZeRO-3's per-module fetches): the preset's structure at widths where compute is negligible
 (`narrow_config`), one thread, DeepSpeed's step (bench_gpu.py's TRAINER_VARIANTS, by name) alternating with the bare
-forward + backward. Its bare step still holds the stand-ins' reference compute, so "over bare" is the figure to read,
-not the ratio.
+forward + backward. The stand-ins' reference compute (a GPU kernel's work) is timed apart and taken out: "host" is
+what is left, the Python and dispatches a GPU's host would run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -102,18 +103,35 @@ def _the_models(innermost, stack) -> bool:
 
 
 _COUNTER: list[OpCounter] = []
+# the stand-ins' insides: how deep the current call is in them, and the seconds spent there (outermost calls only):
+# their reference compute is a GPU kernel's work, not the host's, and --host-time takes it out of its timings
+_STAND_INS = {"depth": 0, "seconds": 0.0}
 
 
 @contextlib.contextmanager
 def _uncounted(as_fused_call: bool = True):
     for counter in _COUNTER:
         counter.paused += 1
+    _STAND_INS["depth"] += 1
+    start = time.perf_counter()
     try:
         yield
     finally:
+        _STAND_INS["depth"] -= 1
+        if not _STAND_INS["depth"]:
+            _STAND_INS["seconds"] += time.perf_counter() - start
         for counter in _COUNTER:
             counter.paused -= 1
             counter.fused += as_fused_call
+
+
+def host_seconds(fn) -> tuple[float, float]:
+    """(wall seconds of `fn()`, of them the seconds outside the stand-ins' insides)."""
+    inside = _STAND_INS["seconds"]
+    start = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - start
+    return wall, wall - (_STAND_INS["seconds"] - inside)
 
 
 class _Fused(torch.autograd.Function):
@@ -425,7 +443,6 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     import cProfile
     import pstats
     import statistics
-    import time
 
     from agentrl.net import free_port
 
@@ -437,11 +454,6 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     batch = _trainer_batch(config.vocab_size, tokens, prompt=4)
     torch.set_num_threads(1)  # one thread issues a GPU step's work; a pool's hand-offs would be CPU's own cost
 
-    def seconds(step) -> float:
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
-
     rows = []
     with cuda_form():
         model, _, bare = bare_step(config, batch, tokens)
@@ -451,26 +463,30 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
                 steps = (bare, lambda: trainer.step(batch))
                 for step in steps:  # warm-up: ZeRO-3 records its parameter trace over the first steps
                     step(), step()
-                times: list[list[float]] = [[], []]
+                times: list[list[tuple[float, float]]] = [[], []]  # (wall, host) per round, bare and step
                 for _ in range(rounds):  # interleaved: what drifts over the run hits both alike
                     for step, out in zip(steps, times):
-                        out.append(seconds(step))
+                        out.append(host_seconds(step))
                 if profile:
                     profiler = cProfile.Profile()
                     profiler.runcall(lambda: [trainer.step(batch) for _ in range(5)])
                     print(f"\n#### {what}: DeepSpeed's functions over 5 steps under cProfile (its overhead included)")
                     pstats.Stats(profiler).sort_stats("cumulative").print_stats("deepspeed/", profile)
                 trainer.close()
-            ratios = sorted(b / d for b, d in zip(*times))
-            bare_ms, step_ms = (statistics.median(t) * 1e3 for t in times)
-            rows.append([what, f"{bare_ms:.1f}", f"{step_ms:.1f}", f"{step_ms - bare_ms:+.1f}",
+            (bare_ms, step_ms), (bare_host_ms, step_host_ms) = (
+                [statistics.median(t[i] for t in ts) * 1e3 for ts in times] for i in (0, 1))
+            ratios = sorted(b[1] / d[1] for b, d in zip(*times))
+            rows.append([what, f"{bare_ms:.1f}", f"{bare_host_ms:.1f}", f"{step_ms:.1f}", f"{step_host_ms:.1f}",
+                         f"{step_host_ms - bare_host_ms:+.1f}",
                          f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"])
-            print(f"  {what}: bare {bare_ms:.1f} ms, step {step_ms:.1f} ms", flush=True)
+            print(f"  {what}: bare {bare_ms:.1f} ms ({bare_host_ms:.1f} host), step {step_ms:.1f} ms "
+                  f"({step_host_ms:.1f} host)", flush=True)
     print(f"\n### Host time of one training step on CPU: the `{preset}` preset's structure at negligible widths "
           f"({sum(1 for _ in model.parameters())} parameters), {tokens} tokens, one rank, one thread, CPU in the CUDA form, "
           f"median of {rounds} interleaved rounds\n")
-    print(markdown_table(["step", "bare fwd+bwd (ms)", "DeepSpeed step (ms)", "over bare (ms)",
-                          "bare / step (range)"], rows))
+    print("(host: the wall time less the stand-ins' reference compute, which on a GPU is its kernels' work)\n")
+    print(markdown_table(["step", "bare fwd+bwd (ms)", "of it host", "DeepSpeed step (ms)", "of it host",
+                          "host over bare (ms)", "bare / step, host (range)"], rows))
 
 
 def main() -> None:
