@@ -5,6 +5,7 @@ backward that is counted must be the real one) and if views and stand-in interna
 import importlib.util
 import os
 import sys
+import time
 
 import torch
 
@@ -76,3 +77,21 @@ def test_the_narrow_config_keeps_the_presets_structure_at_small_widths():
         assert narrow.config.moe_balancing_bins < full.config.moe_balancing_bins
         if preset == "small":
             assert sum(p.numel() for p in narrow.parameters()) < sum(p.numel() for p in full.parameters()) / 500
+
+
+def test_host_time_leaves_out_what_runs_inside_the_stand_ins():
+    """--host-time's "host" is the wall time less the stand-ins' reference compute (a GPU kernel's work)."""
+    bench = _script()
+    x = torch.randn(3, requires_grad=True)
+
+    def reference(a):  # a slow kernel: its forward, and again in the stand-in's backward
+        time.sleep(0.2)
+        return a * 2
+
+    def step():
+        time.sleep(0.05)  # the host's own work
+        bench.fused(reference, x).sum().backward()
+
+    wall, host = bench.host_seconds(step)
+    assert wall >= 0.45 and 0.05 <= host < 0.2, (wall, host)
+    assert x.grad is not None
