@@ -482,8 +482,8 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
             print(f"  {what}: bare {bare_ms:.1f} ms ({bare_host_ms:.1f} host), step {step_ms:.1f} ms "
                   f"({step_host_ms:.1f} host)", flush=True)
     print(f"\n### Host time of one training step on CPU: the `{preset}` preset's structure at negligible widths "
-          f"({sum(1 for _ in model.parameters())} parameters), {tokens} tokens, one rank, one thread, CPU in the CUDA form, "
-          f"median of {rounds} interleaved rounds\n")
+          f"({sum(1 for _ in model.parameters())} parameters), {tokens} tokens, one rank, one thread, CPU in the "
+          f"CUDA form, median of {rounds} interleaved rounds\n")
     print("(host: the wall time less the stand-ins' reference compute, which on a GPU is its kernels' work)\n")
     print(markdown_table(["step", "bare fwd+bwd (ms)", "of it host", "DeepSpeed step (ms)", "of it host",
                           "host over bare (ms)", "bare / step, host (range)"], rows))

@@ -9,10 +9,10 @@ The job is the quickstart's config, shortened (a few SFT steps, small groups), o
 every 10th task's env raises, hangs, has a tool return 10 MB or ends its process. While it runs, the harness SIGKILLs,
 at seeded random moments spread over the run, one of: a rollout worker (`ray::RolloutWorker`), vLLM's engine core
 (`VLLM::EngineCore`), a trainer rank (`ray::PolicyTrainer`), the trajectory store actor (`ray::TrajectoryStore`) or the
-driver itself; one fault at a time (the next waits until the job has printed a step since it healed from the last).
-The job heals what it can in place (a new worker and engine, the episodes rerun; a restart from the
-last checkpoint for a lost trainer rank or store); a killed driver is started again with the same command, as a user
-would, after the harness has checked what the dead one left running.
+driver itself; one fault at a time (the next waits until the job has printed a step since it healed from the last,
+so a fault can slip past its step, or past the run's end). The job heals what it can in place (a new worker and
+engine, the episodes rerun; a restart from the last checkpoint for a lost trainer rank or store); a killed driver is
+started again with the same command, as a user would, after the harness has checked what the dead one left running.
 
 The audit, from the run directory once the job has finished:
 - every task group the sampler drew for RL steps 0..N-1 was taken for training exactly once, or dropped once with a
@@ -388,13 +388,15 @@ def main() -> int:
           "|---|---|---|---|---|---|---|---|---|")
     for i, f in enumerate(faults):
         w = lost[i]
-        print(f"| {i + 1} | {f.kind} | {f.at_step} | {f.healed or ('not seen' if f.at_step else 'not injected: the run ended first')} | {f.recovery_s:.1f} | "
+        healed = f.healed or ("not seen" if f.at_step else "not injected: the run ended first")
+        print(f"| {i + 1} | {f.kind} | {f.at_step} | {healed} | {f.recovery_s:.1f} | "
               f"{w['resumed']} / {w['restarted']} | {w['carried_tokens']} | {w['lost_tokens']} | {w['lost_s']:.1f} |")
     total = {k: sum(w[k] for w in lost.values()) for k in ("carried_tokens", "lost_tokens", "lost_s")}
     print(f"\ninterrupted episodes: {total['carried_tokens']} sampled tokens carried over from snapshots, "
           f"{total['lost_tokens']} lost ({total['lost_s']:.1f} episode-seconds)")
     survived = sum(f.healed not in ("", "missed") for f in faults)
-    print(f"\nfaults survived: {survived} of {sum(bool(f.at_step) for f in faults)} injected ({sum(f.healed == 'missed' for f in faults)} "
+    injected, missed = sum(bool(f.at_step) for f in faults), sum(f.healed == "missed" for f in faults)
+    print(f"\nfaults survived: {survived} of {injected} injected ({missed} "
           f"found no target); rollout workers replaced: {outcome['replacements']}; attempts (driver starts): "
           f"{outcome['attempts']}; run length {outcome['seconds']:.0f}s; "
           f"median step {outcome['step_s']:.1f}s")
