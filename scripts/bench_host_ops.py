@@ -345,6 +345,14 @@ def zero3_module_fetches(counts: collections.Counter):
         PartitionedParameterCoordinator.fetch_sub_module = fetch
 
 
+def _one_rank_rendezvous() -> None:
+    """The variables DeepSpeed's process group reads, for one rank on this host (a free port)."""
+    from agentrl.net import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+
+
 def bare_step(config, batch, tokens: int):
     """(a plain bf16 model of `config` with gradient checkpointing on, as the trainer defaults; the packing plan of
     `batch`; a function running the trainer's loss path forward + backward over its micro-batches, then
@@ -374,11 +382,9 @@ def bare_step(config, batch, tokens: int):
 
 def bench_trainer(preset: str, tokens: int, top: int) -> None:
     """DeepSpeed's step on one rank against the bare forward + backward (and + AdamW) of the same micro-batches."""
-    from agentrl.net import free_port
     from agentrl.trainer import PolicyTrainer, TrainerConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    _one_rank_rendezvous()
     from bench_gpu import _trainer_batch  # the batch bench_gpu's trainer table times (its script directory is ours)
 
     config = preset_config(preset)
@@ -444,10 +450,7 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     import pstats
     import statistics
 
-    from agentrl.net import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    _one_rank_rendezvous()
     from bench_gpu import _deepspeed_trainer, _trainer_batch  # bench_gpu's trainer table, its variants
 
     config = narrow_config(preset)

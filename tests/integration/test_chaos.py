@@ -10,21 +10,18 @@ exactly once, the run FINISHED, and nothing the killed driver started left runni
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
 import time
 
 import pytest
+
+from tests.scripts import load_script
 
 pytest.importorskip("ray")
 pytest.importorskip("vllm")
 pytest.importorskip("deepspeed")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("chaos", os.path.join(ROOT, "scripts", "chaos.py"))
-chaos = sys.modules["chaos"] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up there
-spec.loader.exec_module(chaos)
+chaos = load_script("chaos")
 
 KINDS = ("trainer_rank", "engine_core", "store", "driver")
 HEALED = {"trainer_rank": "restarted in place", "store": "restarted in place", "engine_core": "replaced",

@@ -2,22 +2,15 @@
 must be free when the retry runs (K3's width at 8K tokens read "OOM" for a step that fits, because the retry ran
 inside the `except` block, whose traceback kept the failed forward's activations alive)."""
 
-import importlib.util
-import os
-import sys
 import weakref
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "scripts", "bench_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_gpu")
 
 
 class _Model(torch.nn.Module):

@@ -2,9 +2,6 @@
 something if the stand-ins for the CUDA kernels compute what the CPU path computes (values and gradients: the
 backward that is counted must be the real one) and if views and stand-in internals stay out of the count."""
 
-import importlib.util
-import os
-import sys
 import time
 
 import torch
@@ -12,16 +9,11 @@ import torch
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_host_ops", os.path.join(ROOT, "scripts",
-                                                                                 "bench_host_ops.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_host_ops"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_host_ops")
 
 
 def _loss_and_grads(model, ids):

@@ -1,7 +1,6 @@
 """scripts/bench_warm_start.py's measure against a naive one: full logits, log-softmax at the temperature, the
 oracle's sampled tokens picked out by hand."""
 
-import importlib.util
 import math
 import os
 
@@ -13,16 +12,13 @@ from agentrl.envs import make
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.rollout.oracle import oracle_trajectory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.scripts import ROOT, load_script
+
 WARM_START = os.path.join(ROOT, "tests", "data", "quickstart-warm-start")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_warm_start", os.path.join(ROOT, "scripts",
-                                                                                   "bench_warm_start.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_warm_start")
 
 
 def test_the_oracle_sequence_probability_matches_a_naive_log_softmax_at_each_temperature():

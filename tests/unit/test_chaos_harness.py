@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import time
 import types
 
 import pytest
 
 from tests.processes import alive
+from tests.scripts import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("chaos", os.path.join(ROOT, "scripts", "chaos.py"))
-chaos = sys.modules["chaos"] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up there
-spec.loader.exec_module(chaos)
+chaos = load_script("chaos")
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the harness reads /proc (Linux)")
 
