@@ -507,6 +507,10 @@ def main() -> None:
                         help="--host-time: also list each variant's TOP DeepSpeed functions by cumulative time")
     args = parser.parse_args()
     if args.host_time is not None:
+        from bench_gpu import TRAINER_VARIANTS
+
+        if unknown := [v for v in args.host_time if v not in TRAINER_VARIANTS]:
+            parser.error(f"unknown --host-time variants {unknown}; known: {', '.join(map(repr, TRAINER_VARIANTS))}")
         bench_host_time(args.preset, args.tokens or 64, args.rounds, args.host_time or ["zero2", "zero3"],
                         args.profile)
     elif args.trainer:
