@@ -81,6 +81,10 @@ REAL_WIDTHS = {
     # Kimi Linear 48B's layer shapes in 4 layers (3 KDA + 1 MLA, all 256 experts top-8): 8.2B / 1.2B active
     "kimi-linear-4l": ("kimi-linear-48b-a3b", dict(num_hidden_layers=4, linear_attn_config=dict(
         kda_layers=[1, 2, 3], full_attn_layers=[4]))),
+    # Kimi Linear's layer shapes in 2 layers (KDA with the dense MLP, MLA with the 256 experts): 2.7B, small enough
+    # for the trainer table, which holds the DeepSpeed model (16 bytes a parameter) and the bare one on one GPU
+    "kimi-linear-2l": ("kimi-linear-48b-a3b", dict(num_hidden_layers=2, linear_attn_config=dict(
+        kda_layers=[1], full_attn_layers=[2]))),
     # K3's layer shapes in 4 layers (3 KDA + 1 MLA) with 64 of its 896 experts (top-16), so that it fits one GPU
     "k3-4l": ("k3", dict(num_hidden_layers=4, num_experts=64, linear_attn_config=dict(
         kda_layers=[1, 2, 3], full_attn_layers=[4]))),
@@ -656,15 +660,13 @@ def _merged(base: dict, overrides: dict) -> dict:
 
 class _Bare:
     """The trainer's own loss path (`micro_batch_loss` over `PackedPolicy`, the same packing plan) on a plain bf16
-    copy of the `small` preset, forward + backward, optionally with torch's fused AdamW: what the DeepSpeed step is
-    measured against."""
+    model, forward + backward, optionally with torch's fused AdamW: what the DeepSpeed step is measured against."""
 
-    def __init__(self, config, batch, tokens: int, adam: bool):
+    def __init__(self, model, batch, tokens: int, adam: bool):
         from agentrl.trainer.batching import plan_step
         from agentrl.trainer.losses import LossConfig, grpo_advantages
 
-        torch.manual_seed(0)
-        self.model = HybridMoEForCausalLM(config).to("cuda", torch.bfloat16).train()
+        self.model = model.train()
         self.model.gradient_checkpointing_enable()
         self.loss = LossConfig()
         self.plan = plan_step(batch, grpo_advantages(batch, normalize_std=self.loss.normalize_adv_std), world_size=1,
@@ -684,9 +686,9 @@ class _Bare:
         self.model.zero_grad(set_to_none=True)
 
 
-def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
-    """PolicyTrainer (DeepSpeed engine, its bf16 optimizer and gradient buckets, QB statistics, metrics) configured
-    as the TRAINER_VARIANTS entry `what` says."""
+def _deepspeed_trainer(what: str, model, tokens: int, run_dir: str):
+    """PolicyTrainer (DeepSpeed engine, its bf16 optimizer and gradient buckets, QB statistics, metrics) of `model`
+    (a config, or a model instance) configured as the TRAINER_VARIANTS entry `what` says."""
     from agentrl.trainer import PolicyTrainer, TrainerConfig, zero
 
     variant = TRAINER_VARIANTS[what]
@@ -694,7 +696,7 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
     zero.engine_config = lambda **kw: _merged(engine_config(**kw), variant.engine)
     try:
         trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=variant.stage, dtype="bf16", lr=1e-6,
-                                              micro_batch_tokens=tokens), config)
+                                              micro_batch_tokens=tokens), model)
     finally:
         zero.engine_config = engine_config
     if variant.per_tensor_overflow_check:
@@ -725,19 +727,24 @@ def _deepspeed_trainer(what: str, config, tokens: int, run_dir: str):
     return trainer
 
 
-def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profile_dir: str | None = None) -> None:
+def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profile_dir: str | None = None,
+                  model: str = "small") -> None:
     """One TRAINER_VARIANTS entry against the bare step in a process of its own (a DeepSpeed engine leaves its
     process group behind): after a warm-up of each, `rounds` rounds of (bare step, bare + fused AdamW step,
-    DeepSpeed step), so that what drifts within a process (the host's load, clocks) hits all three alike. Puts
-    (what, [bare s], [bare+adam s], [deepspeed s])."""
+    DeepSpeed step), so that what drifts within a process (the host's load, clocks) hits all three alike; the two
+    bare steps share one model. `model`: `small` or a REAL_WIDTHS name. Puts (what, [bare s], [bare+adam s],
+    [deepspeed s])."""
     import tempfile
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    config = preset_config("small")
-    batch = _trainer_batch(config.vocab_size, tokens)
-    bare, bare_adam = _Bare(config, batch, tokens, adam=False), _Bare(config, batch, tokens, adam=True)
+    torch.manual_seed(0)
+    bare_model = real_width_model(model)
+    batch = _trainer_batch(bare_model.config.vocab_size, tokens)
+    bare, bare_adam = _Bare(bare_model, batch, tokens, adam=False), _Bare(bare_model, batch, tokens, adam=True)
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = _deepspeed_trainer(what, config, tokens, run_dir)
+        # `small` from its config, as the job builds it (fp32 on the host first); a real width straight on the GPU
+        trainer = _deepspeed_trainer(what, bare_model.config if model == "small" else real_width_model(model),
+                                     tokens, run_dir)
         steps = (bare, bare_adam, lambda: trainer.step(batch))
         for step in steps:
             step()
@@ -747,20 +754,38 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
                 seconds.append(synchronized_seconds(step))
         if profile_dir:
             name = what.replace(", ", "_").replace(" ", "-")
-            _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{name}_{tokens}.txt"))
+            _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{model}_{name}_{tokens}.txt"))
         trainer.close()
     results.put((what, *times))
 
 
+def _result_or_death(proc, results, timeout_s: float):
+    """What `proc` puts on `results`, or None once it has ended without (a child that dies puts nothing)."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            if not proc.is_alive():
+                try:  # it may have put its result just before it ended
+                    return results.get(timeout=1)
+                except queue.Empty:
+                    return None
+    raise TimeoutError(f"no result from the trainer process within {timeout_s:.0f} s")
+
+
 def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2, profile_dir: str | None = None,
-                  variants: list[str] | None = None) -> None:
-    """The `small` preset's full optimizer step through agentrl's DeepSpeed trainer (ZeRO-2 and ZeRO-3, one GPU,
-    bf16, gradient checkpointing on, as the trainer defaults) against the bare forward + backward of the same
-    packed micro-batch in plain PyTorch. Each ZeRO stage (and each of `variants`, TRAINER_VARIANTS keys; [] for
-    all) runs in `processes` processes of its own, each timing the bare step and the DeepSpeed step in turn for
-    `rounds` rounds: the ratio is taken per round, so a process that runs slow (this host's medians moved ±15% from
-    one process to the next) is slow for both. Reported: medians over all rounds, the ratio's median and range. With
-    `profile_dir`, each ZeRO stage's step is also profiled once (tables written there)."""
+                  variants: list[str] | None = None, models: list[str] | None = None) -> None:
+    """The full optimizer step of each of `models` (`small`, the default, or REAL_WIDTHS names) through agentrl's
+    DeepSpeed trainer (ZeRO-2 and ZeRO-3, one GPU, bf16, gradient checkpointing on, as the trainer defaults) against
+    the bare forward + backward of the same packed micro-batch in plain PyTorch. Each ZeRO stage (and each of
+    `variants`, TRAINER_VARIANTS keys; [] for all) runs in `processes` processes of its own, each timing the bare
+    step and the DeepSpeed step in turn for `rounds` rounds: the ratio is taken per round, so a process that runs
+    slow (this host's medians moved ±15% from one process to the next) is slow for both. Reported: medians over all
+    rounds, the ratio's median and range. With `profile_dir`, each ZeRO stage's step is also profiled once (tables
+    written there)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -768,30 +793,38 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
                                           and (not variants or v in variants)]
     names = ["zero2", "zero3", *chosen]
     rows = []
-    for tokens in tokens_list:
+    for model, tokens in ((m, t) for m in (models or ["small"]) for t in tokens_list):
         for what in names:
             bare, adam, deep = [], [], []
             for p in range(processes):
                 results = ctx.Queue()
                 proc = ctx.Process(target=_trainer_rank, args=(what, tokens, rounds, free_port(), results,
                                                                profile_dir if p == 0 and what in ("zero2", "zero3")
-                                                               else None))
+                                                               else None, model))
                 proc.start()
-                _, b, a, d = results.get(timeout=500)
+                got = _result_or_death(proc, results, timeout_s=500)
                 proc.join()
+                if got is None:  # out of memory, or killed: its traceback is above
+                    print(model, tokens, what, f"process {p}: died (exit code {proc.exitcode})", flush=True)
+                    break
+                _, b, a, d = got
                 bare += b
                 adam += a
                 deep += d
-                print(tokens, what, f"process {p}: bare {statistics.median(b) * 1e3:.0f} ms, "
+                print(model, tokens, what, f"process {p}: bare {statistics.median(b) * 1e3:.0f} ms, "
                       f"{what} {statistics.median(d) * 1e3:.0f} ms", flush=True)
+            if not deep:
+                rows.append([model, f"{tokens:,}", what, "", "", "died", "", "", ""])
+                continue
             ratios = sorted(b / d for b, d in zip(bare, deep))
-            rows.append([f"{tokens:,}", what, f"{statistics.median(bare) * 1e3:.0f}",
+            rows.append([model, f"{tokens:,}", what, f"{statistics.median(bare) * 1e3:.0f}",
                          f"{statistics.median(adam) * 1e3:.0f}", f"{statistics.median(deep) * 1e3:.0f}",
                          f"{tokens / statistics.median(deep) / 1e3:.1f}K", f"{statistics.median(ratios):.2f}×",
                          f"{ratios[0]:.2f}–{ratios[-1]:.2f}"])
-    print(f"\n### DeepSpeed around the step on one {torch.cuda.get_device_name()}: `small` preset, bf16, ms per step; "
+            print("row:", " | ".join(rows[-1]), flush=True)  # whole rows as they come: a cut run keeps them
+    print(f"\n### DeepSpeed around the step on one {torch.cuda.get_device_name()}: bf16, ms per step; "
           f"{processes} processes × {rounds} rounds of (bare, bare + fused AdamW, DeepSpeed) per row\n")
-    print(table(["tokens", "DeepSpeed step", "bare fwd+bwd", "bare + fused AdamW", "DeepSpeed", "tokens/s",
+    print(table(["model", "tokens", "DeepSpeed step", "bare fwd+bwd", "bare + fused AdamW", "DeepSpeed", "tokens/s",
                  "bare / DeepSpeed (median)", "range over rounds"], rows))
     print(flush=True)
 
@@ -974,7 +1007,7 @@ def main() -> None:
                         "a profile of each DeepSpeed step")
     parser.add_argument("--models", nargs="*", default=None, help="throughput, profile: a subset of "
                         f"{', '.join(MODELS)} (default {', '.join(DEFAULT_MODELS)}; profile: agentrl), in the order "
-                        "given; components: small (default) or "
+                        "given; components and trainer: small (default) or "
                         f"{', '.join(REAL_WIDTHS)}")
     parser.add_argument("--variants", nargs="*", default=None, help="trainer: also time these TRAINER_VARIANTS "
                         "entries (none named: all)")
@@ -983,6 +1016,9 @@ def main() -> None:
     parser.add_argument("--receiver-gpu", type=int, default=0, help="weight-ipc: the receiving process's GPU (1: "
                         "issue 25's GPU-to-GPU sync, with `publish` for the NCCL broadcast)")
     args = parser.parse_args()
+    widths = ["small", *REAL_WIDTHS]
+    if args.what in ("trainer", "components") and (unknown := [m for m in args.models or [] if m not in widths]):
+        parser.error(f"{args.what} takes --models from {', '.join(widths)}; unknown: {', '.join(unknown)}")
     assert torch.cuda.is_available(), "run through the device tool"
     if args.what in ("throughput", "all"):
         bench_throughput(tuple(args.tokens) if args.tokens else TOKENS, args.models)
@@ -998,7 +1034,7 @@ def main() -> None:
         bench_host()
     if args.what == "trainer":
         bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768), rounds=args.rounds,
-                      processes=args.processes, profile_dir=args.out, variants=args.variants)
+                      processes=args.processes, profile_dir=args.out, variants=args.variants, models=args.models)
     if args.what == "components":
         bench_components(tuple(args.tokens) if args.tokens else (4096,), args.models)
     if args.what == "profile":

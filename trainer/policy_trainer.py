@@ -125,7 +125,11 @@ class PolicyTrainer:
                         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
         if self.ep_size > 1:
             param_groups = zero.split_expert_param_groups(param_groups)
-        optimizer = torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.adam_eps)
+        # fused on a GPU: ZeRO hands the optimizer one flat fp32 partition per group, and the default (foreach) Adam
+        # computes sqrt(v) of it into a temporary as large as the partition (4 bytes a parameter: the step of a
+        # 2.7B model ran out of an H100's memory on it, docs/benchmarks.md); the fused kernel keeps no temporaries
+        optimizer = torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                                      fused=self.device.type == "cuda" or None)
         warmup = config.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)

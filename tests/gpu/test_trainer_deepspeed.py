@@ -97,6 +97,50 @@ def test_the_one_pass_gradient_norm_is_deepspeeds_on_cuda(tmp_path, zero_stage):
     assert [fused for fused, _ in seen] == pytest.approx([per for _, per in seen], rel=1e-7)
 
 
+def _foreach_twin(optimizer):
+    """A foreach AdamW over clones of `optimizer`'s parameters, gradients and state, with its hyperparameters."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    clones = {p: p.detach().clone().requires_grad_() for p in params}
+    for p, c in clones.items():
+        c.grad = p.grad.clone()
+    twin = torch.optim.AdamW([{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
+                               "params": [clones[p] for p in g["params"]]} for g in optimizer.param_groups],
+                             foreach=True)
+    for p, c in clones.items():  # the foreach path keeps its step counts on the host
+        twin.state[c] = {k: v.clone().cpu() if k == "step" else v.clone() for k, v in optimizer.state[p].items()}
+    return twin, clones
+
+
+def test_on_cuda_the_optimizer_is_torchs_fused_adamw_and_steps_as_the_foreach_one(tmp_path):
+    """PolicyTrainer asks for the fused AdamW on a GPU (the foreach one holds a temporary the size of ZeRO's flat
+    fp32 partition in its step), and each of two ZeRO-2 steps of the `small` preset moves the fp32 master weights
+    where the foreach AdamW moves them from the same weights, gradients and moments."""
+    from agentrl.trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=2), preset_config("small"))
+    try:
+        inner = trainer.engine.optimizer.optimizer
+        assert all(g["fused"] for g in inner.param_groups)
+        fused_step, stepped = inner.step, []
+
+        def step_beside_the_twin(*args, **kwargs):
+            twin, clones = _foreach_twin(inner)
+            out = fused_step(*args, **kwargs)
+            twin.step()
+            stepped.append([(p.detach().clone(), c.detach()) for p, c in clones.items()])
+            return out
+
+        inner.step = step_beside_the_twin
+        batch = make_batch(trainer.policy.config.vocab_size)
+        trainer.step(batch), trainer.step(batch)
+    finally:
+        trainer.close()
+    assert len(stepped) == 4  # DeepSpeed steps the decay and no-decay groups one at a time, twice
+    for pairs in stepped:
+        for fused, foreach in pairs:
+            torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-8)
+
+
 def test_under_zero3_fla_derives_its_chunk_indices_as_often_as_under_zero2(tmp_path):
     """fla caches the chunk indices it derives from cu_seqlens (with host syncs) by the tensor's identity; DeepSpeed's
     ZeRO-3 hooks hand each module an alias of its tensor arguments, and KDA maps them back (`layers.fla_offsets`). So

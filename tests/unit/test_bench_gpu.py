@@ -58,3 +58,26 @@ def test_a_step_that_runs_out_of_memory_with_checkpointing_too_reads_oom(monkeyp
     built = bench.Built(_Model(), total=10, active=10)
     assert bench.measure(built, loss_fn=None, tokens=1000) == ("OOM", "", "", "")
     assert not built.model.checkpointing
+
+
+def _put_then_exit(results):
+    results.put("measured")
+
+
+def _exit_without_putting(results):
+    del results
+
+
+def test_the_trainer_table_takes_a_processs_result_and_moves_on_when_one_dies_without_one():
+    """A trainer-table process that runs out of memory ends without a result: the parent reports the row and goes
+    on, where it waited out its 500 s before (at Kimi Linear's width on an H100, session 36)."""
+    import multiprocessing
+
+    bench = _script()
+    ctx = multiprocessing.get_context("spawn")
+    for target, expected in ((_put_then_exit, "measured"), (_exit_without_putting, None)):
+        results = ctx.Queue()
+        proc = ctx.Process(target=target, args=(results,))
+        proc.start()
+        assert bench._result_or_death(proc, results, timeout_s=60) == expected
+        proc.join()
