@@ -132,7 +132,8 @@ def test_on_cuda_the_optimizer_is_torchs_fused_adamw_and_steps_as_the_foreach_on
 
         inner.step = step_beside_the_twin
         batch = make_batch(trainer.policy.config.vocab_size)
-        trainer.step(batch), trainer.step(batch)
+        trainer.step(batch)
+        trainer.step(batch)
     finally:
         trainer.close()
     assert len(stepped) == 4  # DeepSpeed steps the decay and no-decay groups one at a time, twice
