@@ -14,7 +14,7 @@ is involved, so one run per tree is the whole measurement.
     .venv/bin/python scripts/bench_host_ops.py                  # the `small` preset, 512 tokens
     .venv/bin/python scripts/bench_host_ops.py --checkpointing  # with activation checkpointing (forward runs twice)
     .venv/bin/python scripts/bench_host_ops.py --trainer        # DeepSpeed's step (one rank) against the bare one
-    .venv/bin/python scripts/bench_host_ops.py --host-time zero2 zero3 [--profile 40]   # the same, timed
+    .venv/bin/python scripts/bench_host_ops.py --host-time zero2 zero3 [--phases] [--profile 40]   # timed
 
 `--trainer` counts a `PolicyTrainer.step` (ZeRO-2 and ZeRO-3, one rank on gloo, gradient checkpointing on, as the
 trainer defaults) against the bare forward + backward of the same packed micro-batch (issue 26, item 3: DeepSpeed's
@@ -132,6 +132,26 @@ def host_seconds(fn) -> tuple[float, float]:
     fn()
     wall = time.perf_counter() - start
     return wall, wall - (_STAND_INS["seconds"] - inside)
+
+
+@contextlib.contextmanager
+def phase_clock(targets):
+    """Wraps each (object, attribute, label) of `targets` so that its calls add their host seconds (as
+    `host_seconds` counts them) to the yielded dict's `label`; the attributes are restored after."""
+    spent: collections.defaultdict = collections.defaultdict(float)
+    saved = [(obj, name, name in vars(obj), getattr(obj, name)) for obj, name, _ in targets]
+    for (obj, name, _, fn), (_, _, label) in zip(saved, targets):
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            out = []
+            _, host = host_seconds(lambda: out.append(_fn(*args, **kwargs)))
+            spent[_label] += host
+            return out[0]
+        setattr(obj, name, timed)
+    try:
+        yield spent
+    finally:
+        for obj, name, own, fn in saved:
+            setattr(obj, name, fn) if own else delattr(obj, name)
 
 
 class _Fused(torch.autograd.Function):
@@ -357,8 +377,8 @@ def bare_step(config, batch, tokens: int):
     """(a plain bf16 model of `config` with gradient checkpointing on, as the trainer defaults; the packing plan of
     `batch`; a function running the trainer's loss path forward + backward over its micro-batches, then
     `optimizer.step()` when given one): what DeepSpeed's step is measured against."""
+    from agentrl.trainer import forward
     from agentrl.trainer.batching import plan_step
-    from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
     from agentrl.trainer.losses import LossConfig, grpo_advantages
 
     torch.manual_seed(0)
@@ -371,7 +391,7 @@ def bare_step(config, batch, tokens: int):
 
     def step(optimizer=None) -> None:
         for micro in plan.per_rank[0]:
-            out = micro_batch_loss(PackedPolicy(model), micro, loss, device="cpu")
+            out = forward.micro_batch_loss(forward.PackedPolicy(model), micro, loss, device="cpu")  # step_phases
             with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
                 out.loss.backward()
         if optimizer is not None:
@@ -441,11 +461,47 @@ def narrow_config(preset: str):
     return preset_config(preset, **narrow, linear_attn_config=dict(base["linear_attn_config"], head_dim=8))
 
 
-def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], profile: int = 0) -> None:
+_PHASES = ("forward and loss", "autograd's backward (DeepSpeed's gradient hooks inside)",
+           "DeepSpeed's backward around autograd's", "optimizer step (engine.step)",
+           "the rest of PolicyTrainer.step")
+
+
+def _phases_of(total: float, spent: dict) -> list[float]:
+    """A step's host seconds by `_PHASES`, from its total and what `phase_clock` recorded (the bare step has no
+    DeepSpeed phases: zero)."""
+    forward = spent["forward"]
+    around = spent.get("engine.backward", spent["autograd"]) - spent["autograd"]
+    step = spent.get("engine.step", 0.0)
+    return [forward, spent["autograd"], around, step, total - forward - spent["autograd"] - around - step]
+
+
+def step_phases(bare, trainer, batch, rounds: int) -> list[tuple[str, float, float]]:
+    """(phase, bare host ms, DeepSpeed host ms) by `_PHASES`: medians over `rounds` interleaved rounds."""
+    import statistics
+
+    from agentrl.trainer import forward, policy_trainer
+
+    per_round: list[tuple[list[float], list[float]]] = []
+    for _ in range(rounds):
+        with phase_clock([(torch.Tensor, "backward", "autograd"),
+                          (forward, "micro_batch_loss", "forward")]) as spent:
+            _, total = host_seconds(bare)
+        bare_phases = _phases_of(total, spent)
+        with phase_clock([(torch.Tensor, "backward", "autograd"), (policy_trainer, "micro_batch_loss", "forward"),
+                          (trainer.engine, "backward", "engine.backward"),
+                          (trainer.engine, "step", "engine.step")]) as spent:
+            _, total = host_seconds(lambda: trainer.step(batch))
+        per_round.append((bare_phases, _phases_of(total, spent)))
+    return [(phase, statistics.median(b[i] for b, _ in per_round) * 1e3,
+             statistics.median(d[i] for _, d in per_round) * 1e3) for i, phase in enumerate(_PHASES)]
+
+
+def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], profile: int = 0,
+                    phases: bool = False) -> None:
     """Wall time of DeepSpeed's step against the bare forward + backward, timed on CPU with the preset's structure
     at negligible widths (`narrow_config`): the host's own cost of each, which a GPU's short step is bound by. With
-    `profile`, each variant's DeepSpeed functions by cumulative time over 5 more steps under cProfile (top
-    `profile`)."""
+    `phases`, each step's host time is also split by `_PHASES` over as many more rounds; with `profile`, each
+    variant's DeepSpeed functions by cumulative time over 5 more steps under cProfile (top `profile`)."""
     import cProfile
     import pstats
     import statistics
@@ -457,7 +513,7 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     batch = _trainer_batch(config.vocab_size, tokens, prompt=4)
     torch.set_num_threads(1)  # one thread issues a GPU step's work; a pool's hand-offs would be CPU's own cost
 
-    rows = []
+    rows, phase_rows = [], []
     with cuda_form():
         model, _, bare = bare_step(config, batch, tokens)
         for what in variants:
@@ -470,6 +526,9 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
                 for _ in range(rounds):  # interleaved: what drifts over the run hits both alike
                     for step, out in zip(steps, times):
                         out.append(host_seconds(step))
+                if phases:
+                    phase_rows += [[what, phase, f"{b:.1f}", f"{d:.1f}", f"{d - b:+.1f}"]
+                                   for phase, b, d in step_phases(bare, trainer, batch, rounds)]
                 if profile:
                     profiler = cProfile.Profile()
                     profiler.runcall(lambda: [trainer.step(batch) for _ in range(5)])
@@ -490,6 +549,9 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     print("(host: the wall time less the stand-ins' reference compute, which on a GPU is its kernels' work)\n")
     print(markdown_table(["step", "bare fwd+bwd (ms)", "of it host", "DeepSpeed step (ms)", "of it host",
                           "host over bare (ms)", "bare / step, host (range)"], rows))
+    if phase_rows:
+        print(f"\n### Where the host time goes, by phase (medians of {rounds} more interleaved rounds)\n")
+        print(markdown_table(["step", "phase", "bare, host ms", "DeepSpeed, host ms", "over bare"], phase_rows))
 
 
 def main() -> None:
@@ -503,6 +565,8 @@ def main() -> None:
                         help="time DeepSpeed's step against the bare one at negligible widths (default 64 tokens), "
                              "for these of bench_gpu's TRAINER_VARIANTS (default: zero2 zero3)")
     parser.add_argument("--rounds", type=int, default=15, help="--host-time: interleaved rounds")
+    parser.add_argument("--phases", action="store_true", help="--host-time: also split each step's host time "
+                        "by phase (forward, backward, DeepSpeed's backward epilogue, optimizer step, the rest)")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="--host-time: also list each variant's TOP DeepSpeed functions by cumulative time")
     args = parser.parse_args()
@@ -512,7 +576,7 @@ def main() -> None:
         if unknown := [v for v in args.host_time if v not in TRAINER_VARIANTS]:
             parser.error(f"unknown --host-time variants {unknown}; known: {', '.join(map(repr, TRAINER_VARIANTS))}")
         bench_host_time(args.preset, args.tokens or 64, args.rounds, args.host_time or ["zero2", "zero3"],
-                        args.profile)
+                        args.profile, args.phases)
     elif args.trainer:
         bench_trainer(args.preset, args.tokens or 1024, args.top)
     else:

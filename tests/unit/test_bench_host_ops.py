@@ -4,6 +4,7 @@ backward that is counted must be the real one) and if views and stand-in interna
 
 import time
 
+import pytest
 import torch
 
 from agentrl.model.config import preset_config
@@ -87,3 +88,30 @@ def test_host_time_leaves_out_what_runs_inside_the_stand_ins():
     wall, host = bench.host_seconds(step)
     assert wall >= 0.45 and 0.05 <= host < 0.2, (wall, host)
     assert x.grad is not None
+
+
+def test_the_phase_clock_times_each_wrapped_call_and_puts_every_attribute_back():
+    """--phases: a wrapped method of an instance and of a class each record their own host time (nested calls
+    counted in both), the wrappers return what the originals return, and afterwards the instance has no attribute
+    of its own and the class has its original function."""
+    bench = _script()
+
+    class Engine:
+        def backward(self):
+            time.sleep(0.03)
+            return "inner"
+
+        def step(self):
+            time.sleep(0.01)
+            return self.backward() + "+step"
+
+    engine, original = Engine(), Engine.backward
+    with bench.phase_clock([(engine, "step", "step"), (Engine, "backward", "backward")]) as spent:
+        assert engine.step() == "inner+step"
+    assert 0.04 <= spent["step"] < 0.2 and 0.03 <= spent["backward"] < spent["step"], dict(spent)
+    assert "step" not in vars(engine) and Engine.backward is original
+
+    total = 0.1  # a DeepSpeed step's phases add up to its total
+    phases = bench._phases_of(total, {"forward": 0.02, "autograd": 0.03, "engine.backward": 0.035,
+                                      "engine.step": 0.01})
+    assert phases == pytest.approx([0.02, 0.03, 0.005, 0.01, 0.035]) and sum(phases) == pytest.approx(total)
