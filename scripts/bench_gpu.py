@@ -658,32 +658,31 @@ def _merged(base: dict, overrides: dict) -> dict:
     return out
 
 
-class _Bare:
-    """The trainer's own loss path (`micro_batch_loss` over `PackedPolicy`, the same packing plan) on a plain bf16
-    model, forward + backward, optionally with torch's fused AdamW: what the DeepSpeed step is measured against."""
+def bare_step(model, batch, tokens: int, device: str):
+    """(the packing plan of `batch`; a function running the trainer's own loss path, `micro_batch_loss` over
+    `PackedPolicy`, forward + backward over its micro-batches on `model` with gradient checkpointing on, as the
+    trainer defaults, then `optimizer.step()` when given one): what DeepSpeed's step is measured against, here and
+    in bench_host_ops.py."""
+    from agentrl.trainer import forward
+    from agentrl.trainer.batching import plan_step
+    from agentrl.trainer.losses import LossConfig, grpo_advantages
 
-    def __init__(self, model, batch, tokens: int, adam: bool):
-        from agentrl.trainer.batching import plan_step
-        from agentrl.trainer.losses import LossConfig, grpo_advantages
+    model.train().gradient_checkpointing_enable()
+    loss = LossConfig()
+    plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
+                     token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
+                     num_moe_layers=len(model.moe_layers))
 
-        self.model = model.train()
-        self.model.gradient_checkpointing_enable()
-        self.loss = LossConfig()
-        self.plan = plan_step(batch, grpo_advantages(batch, normalize_std=self.loss.normalize_adv_std), world_size=1,
-                              token_budget=tokens, aggregation=self.loss.aggregation,
-                              norm_constant=self.loss.norm_constant, num_moe_layers=len(self.model.moe_layers))
-        self.adam = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=True) if adam else None
-
-    def __call__(self) -> None:
-        from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
-
-        for micro in self.plan.per_rank[0]:
-            loss = micro_batch_loss(PackedPolicy(self.model), micro, self.loss, device="cuda").loss
-            with self.model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
-                loss.backward()
-        if self.adam is not None:
-            self.adam.step()
-        self.model.zero_grad(set_to_none=True)
+    def step(optimizer=None) -> None:
+        for micro in plan.per_rank[0]:
+            # looked up at each call, so that bench_host_ops' phase clock can time it
+            out = forward.micro_batch_loss(forward.PackedPolicy(model), micro, loss, device=device)
+            with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
+                out.loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+    return plan, step
 
 
 def _deepspeed_trainer(what: str, model, tokens: int, run_dir: str):
@@ -740,12 +739,13 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
     torch.manual_seed(0)
     bare_model = real_width_model(model)
     batch = _trainer_batch(bare_model.config.vocab_size, tokens)
-    bare, bare_adam = _Bare(bare_model, batch, tokens, adam=False), _Bare(bare_model, batch, tokens, adam=True)
+    _, bare = bare_step(bare_model, batch, tokens, device="cuda")
+    adam = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, fused=True)
     with tempfile.TemporaryDirectory() as run_dir:
         # `small` from its config, as the job builds it (fp32 on the host first); a real width straight on the GPU
         trainer = _deepspeed_trainer(what, bare_model.config if model == "small" else real_width_model(model),
                                      tokens, run_dir)
-        steps = (bare, bare_adam, lambda: trainer.step(batch))
+        steps = (bare, lambda: bare(adam), lambda: trainer.step(batch))
         for step in steps:
             step()
         times: list[list[float]] = [[], [], []]

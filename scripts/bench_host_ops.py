@@ -125,27 +125,38 @@ def _uncounted(as_fused_call: bool = True):
             counter.fused += as_fused_call
 
 
+@contextlib.contextmanager
+def host_clock():
+    """Yields a record whose `wall` seconds, and of them the `host` seconds outside the stand-ins' insides, are set
+    when the block ends."""
+    clock = SimpleNamespace(wall=0.0, host=0.0)
+    inside, start = _STAND_INS["seconds"], time.perf_counter()
+    try:
+        yield clock
+    finally:
+        clock.wall = time.perf_counter() - start
+        clock.host = clock.wall - (_STAND_INS["seconds"] - inside)
+
+
 def host_seconds(fn) -> tuple[float, float]:
     """(wall seconds of `fn()`, of them the seconds outside the stand-ins' insides)."""
-    inside = _STAND_INS["seconds"]
-    start = time.perf_counter()
-    fn()
-    wall = time.perf_counter() - start
-    return wall, wall - (_STAND_INS["seconds"] - inside)
+    with host_clock() as clock:
+        fn()
+    return clock.wall, clock.host
 
 
 @contextlib.contextmanager
 def phase_clock(targets):
-    """Wraps each (object, attribute, label) of `targets` so that its calls add their host seconds (as
-    `host_seconds` counts them) to the yielded dict's `label`; the attributes are restored after."""
+    """Wraps each (object, attribute, label) of `targets` so that its calls add their host seconds (`host_clock`'s)
+    to the yielded dict's `label`; the attributes are restored after."""
     spent: collections.defaultdict = collections.defaultdict(float)
     saved = [(obj, name, name in vars(obj), getattr(obj, name)) for obj, name, _ in targets]
     for (obj, name, _, fn), (_, _, label) in zip(saved, targets):
         def timed(*args, _fn=fn, _label=label, **kwargs):
-            out = []
-            _, host = host_seconds(lambda: out.append(_fn(*args, **kwargs)))
-            spent[_label] += host
-            return out[0]
+            with host_clock() as clock:
+                out = _fn(*args, **kwargs)
+            spent[_label] += clock.host
+            return out
         setattr(obj, name, timed)
     try:
         yield spent
@@ -373,31 +384,10 @@ def _one_rank_rendezvous() -> None:
                       LOCAL_RANK="0")
 
 
-def bare_step(config, batch, tokens: int):
-    """(a plain bf16 model of `config` with gradient checkpointing on, as the trainer defaults; the packing plan of
-    `batch`; a function running the trainer's loss path forward + backward over its micro-batches, then
-    `optimizer.step()` when given one): what DeepSpeed's step is measured against."""
-    from agentrl.trainer import forward
-    from agentrl.trainer.batching import plan_step
-    from agentrl.trainer.losses import LossConfig, grpo_advantages
-
+def bare_model(config):
+    """The plain bf16 model of `config` that DeepSpeed's step is measured against (bench_gpu.bare_step runs it)."""
     torch.manual_seed(0)
-    model = HybridMoEForCausalLM(config).to(torch.bfloat16).train()
-    model.gradient_checkpointing_enable()
-    loss = LossConfig()
-    plan = plan_step(batch, grpo_advantages(batch, normalize_std=loss.normalize_adv_std), world_size=1,
-                     token_budget=tokens, aggregation=loss.aggregation, norm_constant=loss.norm_constant,
-                     num_moe_layers=len(model.moe_layers))
-
-    def step(optimizer=None) -> None:
-        for micro in plan.per_rank[0]:
-            out = forward.micro_batch_loss(forward.PackedPolicy(model), micro, loss, device="cpu")  # step_phases
-            with model.balancers_observing(False):  # as the trainer: the recomputation is not counted again
-                out.loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
-    return model, plan, step
+    return HybridMoEForCausalLM(config).to(torch.bfloat16)
 
 
 def bench_trainer(preset: str, tokens: int, top: int) -> None:
@@ -405,14 +395,15 @@ def bench_trainer(preset: str, tokens: int, top: int) -> None:
     from agentrl.trainer import PolicyTrainer, TrainerConfig
 
     _one_rank_rendezvous()
-    from bench_gpu import _trainer_batch  # the batch bench_gpu's trainer table times (its script directory is ours)
+    from bench_gpu import _trainer_batch, bare_step  # bench_gpu's trainer table (its script directory is ours)
 
     config = preset_config(preset)
     batch = _trainer_batch(config.vocab_size, tokens)
     sites = ("deepspeed/", "/trainer/", "/agentrl/model/")
     rows, site_rows = [], []
     with cuda_form():
-        model, plan, bare = bare_step(config, batch, tokens)
+        model = bare_model(config)
+        plan, bare = bare_step(model, batch, tokens, device="cpu")
         adam = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
         bare(adam)
         bare_ops = count_call(bare).total
@@ -507,7 +498,7 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
     import statistics
 
     _one_rank_rendezvous()
-    from bench_gpu import _deepspeed_trainer, _trainer_batch  # bench_gpu's trainer table, its variants
+    from bench_gpu import _deepspeed_trainer, _trainer_batch, bare_step  # bench_gpu's trainer table, its variants
 
     config = narrow_config(preset)
     batch = _trainer_batch(config.vocab_size, tokens, prompt=4)
@@ -515,7 +506,8 @@ def bench_host_time(preset: str, tokens: int, rounds: int, variants: list[str], 
 
     rows, phase_rows = [], []
     with cuda_form():
-        model, _, bare = bare_step(config, batch, tokens)
+        model = bare_model(config)
+        _, bare = bare_step(model, batch, tokens, device="cpu")
         for what in variants:
             with tempfile.TemporaryDirectory() as run_dir:
                 trainer = _deepspeed_trainer(what, config, tokens, run_dir)

@@ -1,6 +1,7 @@
 """scripts/bench_gpu.py's retry with gradient checkpointing after an out-of-memory step: the failed step's memory
 must be free when the retry runs (K3's width at 8K tokens read "OOM" for a step that fits, because the retry ran
-inside the `except` block, whose traceback kept the failed forward's activations alive)."""
+inside the `except` block, whose traceback kept the failed forward's activations alive); and its trainer table's
+wait on a process that dies without a result."""
 
 import weakref
 
