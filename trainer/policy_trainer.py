@@ -125,17 +125,14 @@ class PolicyTrainer:
                         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
         if self.ep_size > 1:
             param_groups = zero.split_expert_param_groups(param_groups)
-        # fused on a GPU: ZeRO hands the optimizer one flat fp32 partition per group, and the default (foreach) Adam
-        # computes sqrt(v) of it into a temporary as large as the partition (4 bytes a parameter: the step of a
-        # 2.7B model ran out of an H100's memory on it, docs/benchmarks.md); the fused kernel keeps no temporaries
-        optimizer = torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
-                                      fused=self.device.type == "cuda" or None)
+        self.optimizer = torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                                           **adamw_implementation(self.device))
         warmup = config.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         ds_config = zero.engine_config(zero_stage=config.zero_stage, bf16=bf16, grad_clip=config.grad_clip,
                                        zero3_param_persistence_threshold=config.zero3_param_persistence_threshold)
-        self.engine = zero.initialize(self.module, optimizer, ds_config, scheduler)
+        self.engine = zero.initialize(self.module, self.optimizer, ds_config, scheduler)
         self.global_step = 0
         self.version = 0  # policy version: training steps (batches) taken since the initial weights
         self._buckets: BucketRing | None = None  # rank 0's weight-sync buffers, kept from one sync to the next
@@ -386,6 +383,7 @@ class PolicyTrainer:
         loaded, client = self.engine.load_checkpoint(root, tag=tag)
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint at {path or root}")
+        keep_adamw_implementation(self.optimizer, self.device)
         state = dict(client["agentrl"])
         self.global_step, self.version = state["global_step"], state["version"]
         if self.ep_size > 1:  # DeepSpeed loaded rank 0's experts into every rank; ZeRO's fp32 copies are right
@@ -460,6 +458,32 @@ class PolicyTrainer:
         values = torch.tensor([local[k] for k in keys], dtype=torch.float64)
         zero.all_reduce_sum(values)
         return dict(zip(keys, values.tolist()))
+
+
+def adamw_implementation(device: torch.device) -> dict:
+    """The AdamW kernel for this machine's device: fused on a GPU, torch's default elsewhere.
+
+    ZeRO hands the optimizer one flat fp32 partition per parameter group, and torch's default on CUDA (foreach)
+    computes sqrt(v) of it into a temporary as large as the partition, 4 bytes a parameter: the step of a 2.7B model
+    ran out of an H100's memory on it (docs/benchmarks.md). The fused kernel keeps no temporaries."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
+def keep_adamw_implementation(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """After a checkpoint is loaded: the kernel this machine runs, not the saving machine's.
+
+    torch's `load_state_dict` takes every group option from the checkpoint, the kernel flags among them, so a run
+    saved on CPU (or before the trainer chose the fused kernel) would resume on a GPU with the foreach step and its
+    temporary, and one saved on a GPU would bring `fused` to wherever it resumes. The flags are set again here, and
+    each step count put where that kernel reads it: on the parameter's device in fp32 for the fused kernel, on the
+    host for the others (torch's own layouts; elsewhere a CPU-kept count would reach a GPU kernel)."""
+    for group in optimizer.param_groups:
+        group.update({"fused": None, "foreach": None, **adamw_implementation(device)})  # None: torch's default
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                on_device = bool(group["fused"] or group.get("capturable"))
+                state["step"] = state["step"].to(dtype=torch.float32, device=p.device if on_device else "cpu")
 
 
 def _loss_metrics(totals: dict[str, float], config: LossConfig) -> dict[str, float]:

@@ -4,6 +4,7 @@ Run through the device tool with DeepSpeed carried as a wheel; skipped without C
 also without a second GPU). The ranks of the ZeRO-3 test are plain processes with torchrun-style rendezvous (no Ray).
 """
 
+import copy
 import math
 
 import numpy as np
@@ -140,6 +141,36 @@ def test_on_cuda_the_optimizer_is_torchs_fused_adamw_and_steps_as_the_foreach_on
     for pairs in stepped:
         for fused, foreach in pairs:
             torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-8)
+
+
+def test_a_foreach_adamw_state_resumed_into_the_fused_kernel_steps_as_the_foreach_one():
+    """A checkpoint of the foreach AdamW (a CPU run's, or one saved before the trainer chose the fused kernel) keeps
+    its step counts on the host; torch's `load_state_dict` brings its flags along. After `keep_adamw_implementation`
+    the GPU's optimizer is fused, its counts on the device in fp32 where the fused kernel reads them, and it steps
+    from the loaded state where the foreach optimizer steps."""
+    from agentrl.trainer.policy_trainer import keep_adamw_implementation
+
+    torch.manual_seed(0)
+    params = [torch.randn(n, device="cuda", requires_grad=True) for n in (4096, 333, 1)]
+    saving = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    saving.step()
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = torch.optim.AdamW(resumed_params, lr=1e-2, weight_decay=0.1, fused=True)
+    resumed.load_state_dict(copy.deepcopy(saving.state_dict()))  # as from a file: no tensor shared
+    assert resumed.param_groups[0]["fused"] is None  # the checkpoint's flag came with its state
+    keep_adamw_implementation(resumed, torch.device("cuda"))
+    assert resumed.param_groups[0]["fused"] is True
+    counts = [resumed.state[p]["step"] for p in resumed_params]
+    assert all(c.is_cuda and c.dtype == torch.float32 and c.item() == 1.0 for c in counts)
+    for p, q in zip(params, resumed_params):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    saving.step()
+    resumed.step()
+    for p, q in zip(params, resumed_params):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 
 
 def test_under_zero3_fla_derives_its_chunk_indices_as_often_as_under_zero2(tmp_path):

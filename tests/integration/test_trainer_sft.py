@@ -128,6 +128,65 @@ def test_mini_batches_step_several_times_against_the_recorded_pre_step_policy(mo
         trainer.close()
 
 
+def _step_and_weights(trainer: PolicyTrainer, batch) -> tuple[float, list[torch.Tensor]]:
+    """One SFT step's loss, and the fp32 master weights after it."""
+    loss = trainer.step(batch, LossConfig(kind="sft"))["loss"]
+    return loss, [g.detach().clone() for g in trainer.engine.optimizer.single_partition_of_fp32_groups]
+
+
+def _assert_same_step(got, want) -> None:
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    for master, expected in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(master, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_resumed_run_steps_with_the_adamw_kernel_its_own_machine_chose(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """torch's `load_state_dict` takes the kernel flags with the optimizer's state. A run saved with CPU's default
+    AdamW resumes with the fused kernel where that is the trainer's choice (a GPU's; CPU has the kernel too, so it is
+    forced here), its step counts where that kernel reads them, and takes the step the saving kernel takes from the
+    same state; a run saved with the fused kernel resumes with the default one the same way."""
+    from agentrl.trainer import policy_trainer
+
+    batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
+    checkpoints = tmp_path / "checkpoints"
+
+    def resume(tag: str, steps_taken: int):
+        trainer = one_rank_trainer(model_dir, tmp_path)
+        trainer.load_checkpoint(str(checkpoints / tag))
+        groups = trainer.optimizer.param_groups
+        wanted = policy_trainer.adamw_implementation(trainer.device).get("fused")
+        assert [(g["fused"], g["foreach"]) for g in groups] == [(wanted, None)] * len(groups)
+        counts = [trainer.optimizer.state[p]["step"] for g in groups for p in g["params"]]
+        assert counts and all(c.dtype == torch.float32 and c.item() == steps_taken for c in counts)
+        return trainer
+
+    saving = one_rank_trainer(model_dir, tmp_path)
+    try:
+        _step_and_weights(saving, batch)
+        saving.save_checkpoint({})
+        assert not any(g["fused"] for g in saving.optimizer.param_groups)
+        after_step1 = _step_and_weights(saving, batch)
+    finally:
+        saving.close()
+
+    chosen = policy_trainer.adamw_implementation
+    monkeypatch.setattr(policy_trainer, "adamw_implementation", lambda device: {"fused": True})
+    fused = resume("step1", steps_taken=1)
+    try:
+        _assert_same_step(_step_and_weights(fused, batch), after_step1)
+        fused.save_checkpoint({})  # saved with the fused flag
+        after_step2 = _step_and_weights(fused, batch)
+    finally:
+        fused.close()
+
+    monkeypatch.setattr(policy_trainer, "adamw_implementation", chosen)
+    plain = resume("step2", steps_taken=2)
+    try:
+        _assert_same_step(_step_and_weights(plain, batch), after_step2)
+    finally:
+        plain.close()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_a_step_whose_gradient_is_not_finite_changes_nothing_and_the_next_one_trains(model_dir, tmp_path,  # noqa: F811
                                                                                       dtype):
