@@ -777,7 +777,8 @@ def _result_or_death(proc, results, timeout_s: float):
 
 
 def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2, profile_dir: str | None = None,
-                  variants: list[str] | None = None, models: list[str] | None = None) -> None:
+                  variants: list[str] | None = None, models: list[str] | None = None,
+                  stages: tuple[str, ...] = ("zero2", "zero3")) -> None:
     """The full optimizer step of each of `models` (`small`, the default, or REAL_WIDTHS names) through agentrl's
     DeepSpeed trainer (ZeRO-2 and ZeRO-3, one GPU, bf16, gradient checkpointing on, as the trainer defaults) against
     the bare forward + backward of the same packed micro-batch in plain PyTorch. Each ZeRO stage (and each of
@@ -785,13 +786,13 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
     step and the DeepSpeed step in turn for `rounds` rounds: the ratio is taken per round, so a process that runs
     slow (this host's medians moved ±15% from one process to the next) is slow for both. Reported: medians over all
     rounds, the ratio's median and range. With `profile_dir`, each ZeRO stage's step is also profiled once (tables
-    written there)."""
+    written there). `stages`: which of the two ZeRO stages to time."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     chosen = [] if variants is None else [v for v in TRAINER_VARIANTS if v not in ("zero2", "zero3")
                                           and (not variants or v in variants)]
-    names = ["zero2", "zero3", *chosen]
+    names = [*stages, *chosen]
     rows = []
     for model, tokens in ((m, t) for m in (models or ["small"]) for t in tokens_list):
         for what in names:
@@ -1013,6 +1014,8 @@ def main() -> None:
                         "entries (none named: all)")
     parser.add_argument("--rounds", type=int, default=7, help="trainer: rounds of (bare, DeepSpeed) steps per process")
     parser.add_argument("--processes", type=int, default=2, help="trainer: processes per ZeRO stage or variant")
+    parser.add_argument("--stages", nargs="+", choices=["zero2", "zero3"], default=["zero2", "zero3"],
+                        help="trainer: the ZeRO stages timed (both by default)")
     parser.add_argument("--receiver-gpu", type=int, default=0, help="weight-ipc: the receiving process's GPU (1: "
                         "issue 25's GPU-to-GPU sync, with `publish` for the NCCL broadcast)")
     args = parser.parse_args()
@@ -1034,7 +1037,8 @@ def main() -> None:
         bench_host()
     if args.what == "trainer":
         bench_trainer(tuple(args.tokens) if args.tokens else (4096, 32768), rounds=args.rounds,
-                      processes=args.processes, profile_dir=args.out, variants=args.variants, models=args.models)
+                      processes=args.processes, profile_dir=args.out, variants=args.variants, models=args.models,
+                      stages=tuple(args.stages))
     if args.what == "components":
         bench_components(tuple(args.tokens) if args.tokens else (4096,), args.models)
     if args.what == "profile":

@@ -47,7 +47,6 @@ import deepspeed.ops  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
-from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace  # noqa: E402
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 from deepspeed.runtime.zero.utils import get_norm_dtype  # noqa: E402
@@ -168,6 +167,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
         deepspeed.DeepSpeedEngine = engine_class
     _check_overflow_by_the_norm(engine.optimizer)
     _norm_in_one_pass(engine.optimizer)
+    _overflow_read_after_the_step(engine.optimizer)
     return engine
 
 
@@ -178,8 +178,9 @@ def _check_overflow_by_the_norm(optimizer) -> None:
     if the norm is not finite. A NaN or inf anywhere makes the norm non-finite, so the first test adds nothing but
     host time: the `small` preset's 4K-token ZeRO-2 step on an H200 took 239 ms with it and 207 ms without
     (docs/benchmarks.md, "The DeepSpeed step against the bare one"). The flag stays on, so the norm's test still
-    runs; only the per-tensor pass is dropped. (fp32 steps test the norm whatever the flag; ZeRO-3 always does, and
-    its per-tensor pass measured no cost worth a change.)"""
+    runs; only the per-tensor pass is dropped (with torch's fused Adam the norm's test moves to the device:
+    `_overflow_read_after_the_step`). (fp32 steps test the norm whatever the flag; ZeRO-3 always does, and its
+    per-tensor pass measured no cost worth a change.)"""
     if (isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.compute_grad_norm
             and optimizer.check_grad_overflow and not optimizer.cpu_offload):
         optimizer.check_overflow = _norm_checks_overflow
@@ -189,6 +190,57 @@ def _norm_checks_overflow(partition_gradients: bool = True) -> None:
     """Stands in for DeepSpeedZeroOptimizer.check_overflow (see _check_overflow_by_the_norm): leaves `overflow`
     False for the norm's test to set."""
     del partition_gradients
+
+
+def _overflow_read_after_the_step(optimizer) -> None:
+    """ZeRO-1/2 in bf16 with torch's fused Adam: a step whose gradient norm is not finite is skipped on the device, and
+    the host reads that it was once the whole step is queued, instead of before queuing any of it.
+
+    DeepSpeed decides the skip on the host: right after the norm it reads whether the norm is finite, which waits for
+    the GPU to finish the backward, and only then queues the optimizer's work (the copy to fp32, the clip, Adam, the
+    copy back to bf16) one launch after another onto an idle GPU; the clip reads the norm again for each parameter
+    group. Here the norm's test is a device tensor handed to the fused kernel as `found_inf`, the argument torch's
+    GradScaler uses: where it is set the kernel leaves weights, moments and step counts as they were. The clip
+    takes the norm on the device too (a norm that is not finite clips by infinity, as DeepSpeed's). After the step
+    is queued its one read sets `overflow`, which the engine uses as it does DeepSpeed's own: the step is counted as
+    skipped and the learning-rate schedule does not advance. The other Adam kernels take no `found_inf`: they keep
+    DeepSpeed's host decision."""
+    base = getattr(optimizer, "optimizer", None)
+    if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload
+            and optimizer.compute_grad_norm and optimizer.check_grad_overflow and optimizer.dtype == torch.bfloat16
+            and isinstance(base, torch.optim.Adam) and all(g.get("fused") for g in base.param_groups)):
+        return
+    optimizer.check_grad_overflow = False  # no host test of the norm inside DeepSpeed's step
+    norm, clip, step = optimizer.scaled_global_norm, optimizer.unscale_and_clip_grads, optimizer.step
+
+    def norm_and_found_inf(norm_type=2):
+        total = norm(norm_type)
+        base.found_inf = (~torch.isfinite(total) | (total < 0)).float()  # DeepSpeed's invalid norms: -1, inf, NaN
+        return total
+
+    def clip_on_the_device(grad_groups_flat, total_norm):
+        if not torch.is_tensor(total_norm) or optimizer.clip_grad <= 0.0:
+            return clip(grad_groups_flat, total_norm)
+        valid = torch.isfinite(total_norm) & (total_norm >= 0)
+        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
+        scale = torch.clamp((clip_norm / optimizer.loss_scale + 1e-6) / optimizer.clip_grad, min=1.0)
+        for grad in grad_groups_flat:
+            for g in grad if isinstance(grad, list) else [grad]:
+                g.data.mul_(1.0 / (scale * optimizer.loss_scale))
+        return None
+
+    def step_then_read_overflow(closure=None):
+        base.found_inf = None
+        try:
+            step(closure)
+            if base.found_inf is not None:
+                optimizer.overflow = bool(base.found_inf)  # the step's one host read, after all of it is queued
+        finally:
+            base.found_inf = None
+
+    optimizer.scaled_global_norm = norm_and_found_inf
+    optimizer.unscale_and_clip_grads = clip_on_the_device
+    optimizer.step = step_then_read_overflow
 
 
 def _norm_in_one_pass(optimizer) -> None:
@@ -233,9 +285,7 @@ def _global_grad_norm(optimizer, per_tensor, gradients, params, norm_type=2) -> 
     total = squares.float() if squares is not None else torch.zeros((), dtype=torch.float32, device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
     optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-    total = total.sqrt()
-    mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
-    return total
+    return _invalid_as_minus_one(total.sqrt())
 
 
 def _global_grad_norm_stage3(optimizer, per_tensor, gradients, params, norm_type=2) -> torch.Tensor:
@@ -252,9 +302,13 @@ def _global_grad_norm_stage3(optimizer, per_tensor, gradients, params, norm_type
         return per_tensor(gradients, params, norm_type)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer._get_param_partition_group(params[0]))
     optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-    total = total ** 0.5
-    mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
-    return total
+    return _invalid_as_minus_one(total ** 0.5)
+
+
+def _invalid_as_minus_one(norm: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's marking of a norm that is not finite (-1, in place), without its helper's two host syncs (it copies
+    the -1 from the host, then fills with that tensor)."""
+    return norm.masked_fill_(~torch.isfinite(norm), -1.0)
 
 
 def _group_key(name: str) -> str:

@@ -144,14 +144,15 @@ def test_a_resumed_run_steps_with_the_adamw_kernel_its_own_machine_chose(model_d
     """torch's `load_state_dict` takes the kernel flags with the optimizer's state. A run saved with CPU's default
     AdamW resumes with the fused kernel where that is the trainer's choice (a GPU's; CPU has the kernel too, so it is
     forced here), its step counts where that kernel reads them, and takes the step the saving kernel takes from the
-    same state; a run saved with the fused kernel resumes with the default one the same way."""
+    same state; a run saved with the fused kernel resumes with the default one the same way. (In bf16 the fused
+    kernel also skips a non-finite step on the device, trainer/zero.py: its finite steps are the default's.)"""
     from agentrl.trainer import policy_trainer
 
     batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
     checkpoints = tmp_path / "checkpoints"
 
     def resume(tag: str, steps_taken: int):
-        trainer = one_rank_trainer(model_dir, tmp_path)
+        trainer = one_rank_trainer(model_dir, tmp_path, dtype="bf16")
         trainer.load_checkpoint(str(checkpoints / tag))
         groups = trainer.optimizer.param_groups
         wanted = policy_trainer.adamw_implementation(trainer.device).get("fused")
@@ -160,7 +161,7 @@ def test_a_resumed_run_steps_with_the_adamw_kernel_its_own_machine_chose(model_d
         assert counts and all(c.dtype == torch.float32 and c.item() == steps_taken for c in counts)
         return trainer
 
-    saving = one_rank_trainer(model_dir, tmp_path)
+    saving = one_rank_trainer(model_dir, tmp_path, dtype="bf16")
     try:
         _step_and_weights(saving, batch)
         saving.save_checkpoint({})
@@ -187,28 +188,43 @@ def test_a_resumed_run_steps_with_the_adamw_kernel_its_own_machine_chose(model_d
         plain.close()
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype, kernel", [("bf16", "default"), ("bf16", "fused"), ("fp32", "default")])
 def test_a_step_whose_gradient_is_not_finite_changes_nothing_and_the_next_one_trains(model_dir, tmp_path,  # noqa: F811
-                                                                                      dtype):
+                                                                                      monkeypatch, dtype, kernel):
     """One inf in one gradient: DeepSpeed skips the optimizer step (under bf16 agentrl leaves that test to the
-    global norm alone, trainer/zero.py says why), the weights stay, the metrics say so; the next step trains."""
-    trainer = one_rank_trainer(model_dir, tmp_path, dtype=dtype)
+    global norm alone, and with the fused Adam kernel, a GPU's, to the device: trainer/zero.py says why; CPU has the
+    kernel too, so it is forced here), the weights, Adam's state and the learning-rate schedule stay, the metrics say
+    so; the next step trains."""
+    from agentrl.trainer import policy_trainer
+
+    if kernel == "fused":
+        monkeypatch.setattr(policy_trainer, "adamw_implementation", lambda device: {"fused": True})
+    trainer = one_rank_trainer(model_dir, tmp_path, dtype=dtype, warmup_steps=10)
     sft = LossConfig(kind="sft")
+    adam = trainer.optimizer
     try:
+        assert all(bool(g["fused"]) == (kernel == "fused") for g in adam.param_groups)
         batch = [oracle(i, np.random.default_rng(i)) for i in range(8)]
         params = dict(trainer.policy.named_parameters())
-        before = {name: p.detach().clone() for name, p in params.items()}
 
         def poison(grad):
             grad = grad.clone()
             grad.view(-1)[0] = float("inf")
             return grad
 
+        trainer.step(batch, sft)  # Adam's state exists from here on
+        before = {name: p.detach().clone() for name, p in params.items()}
+        adam_before = [{k: v.clone() for k, v in adam.state[p].items()} for g in adam.param_groups for p in g["params"]]
+        lr_before = trainer.engine.get_lr()
         hook = params["model.layers.0.self_attn.q_proj.weight"].register_hook(poison)
         skipped = trainer.step(batch, sft)
         hook.remove()
         assert skipped["optimizer_steps_skipped"] == 1 and not np.isfinite(skipped["grad_norm"])
         assert all(torch.equal(p.detach(), before[name]) for name, p in params.items())
+        adam_after = [adam.state[p] for g in adam.param_groups for p in g["params"]]
+        for was, now in zip(adam_before, adam_after, strict=True):
+            assert was.keys() == now.keys() and all(torch.equal(was[k], now[k]) for k in was)
+        assert trainer.engine.get_lr() == lr_before  # the warm-up did not advance over the skipped step
         trained = trainer.step(batch, sft)
         assert trained["optimizer_steps_skipped"] == 0 and np.isfinite(trained["grad_norm"])
         assert trained["nll"] == pytest.approx(skipped["nll"], rel=1e-2)  # the skipped step left the weights
