@@ -194,17 +194,18 @@ def _norm_checks_overflow(partition_gradients: bool = True) -> None:
 
 def _overflow_read_after_the_step(optimizer) -> None:
     """ZeRO-1/2 in bf16 with torch's fused Adam: a step whose gradient norm is not finite is skipped on the device, and
-    the host reads that it was once the whole step is queued, instead of before queuing any of it.
+    the host reads that it was once the whole step is queued.
 
-    DeepSpeed decides the skip on the host: right after the norm it reads whether the norm is finite, which waits for
-    the GPU to finish the backward, and only then queues the optimizer's work (the copy to fp32, the clip, Adam, the
-    copy back to bf16) one launch after another onto an idle GPU; the clip reads the norm again for each parameter
-    group. Here the norm's test is a device tensor handed to the fused kernel as `found_inf`, the argument torch's
-    GradScaler uses: where it is set the kernel leaves weights, moments and step counts as they were. The clip
-    takes the norm on the device too (a norm that is not finite clips by infinity, as DeepSpeed's). After the step
-    is queued its one read sets `overflow`, which the engine uses as it does DeepSpeed's own: the step is counted as
-    skipped and the learning-rate schedule does not advance. The other Adam kernels take no `found_inf`: they keep
-    DeepSpeed's host decision."""
+    DeepSpeed decides the skip on the host, and its step waited for the GPU seven times (the `small` preset, two
+    parameter groups: twice in each group's norm for its masking helper, once to test the global norm, once more in
+    the clip of each group); each wait leaves the GPU idle while the host then queues the next part (the copy to
+    fp32, the clip, Adam, the copy back to bf16), one launch after another. Here the norm's test is a device tensor
+    handed to the fused kernel as `found_inf`, the argument torch's GradScaler uses: where it is set the kernel
+    leaves weights, moments and step counts as they were. The clip takes the norm on the device too (a norm that is
+    not finite clips by infinity, as DeepSpeed's). After the step is queued its one read sets `overflow`, which the
+    engine uses as it does DeepSpeed's own: the step is counted as skipped and the learning-rate schedule does not
+    advance. (The backward's end still waits for the GPU: DeepSpeed's epilogue synchronizes the device under
+    `overlap_comm`.) The other Adam kernels take no `found_inf`: they keep DeepSpeed's host decision."""
     base = getattr(optimizer, "optimizer", None)
     if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload
             and optimizer.compute_grad_norm and optimizer.check_grad_overflow and optimizer.dtype == torch.bfloat16

@@ -196,6 +196,27 @@ def test_under_zero3_fla_derives_its_chunk_indices_as_often_as_under_zero2(tmp_p
     assert fla_syncs[3] == fla_syncs[2], fla_syncs
 
 
+def test_the_zero2_step_waits_for_the_gpu_once_for_its_overflow_after_queuing_the_whole_step(tmp_path):
+    """With the fused Adam on a GPU the step's skip is decided on the device (trainer/zero.py,
+    `_overflow_read_after_the_step`): DeepSpeed's host tests of the norm (one before the optimizer, one in the clip
+    for each parameter group) and the two of its masking helper in each group's norm are gone, and the step reads its
+    overflow flag once, after its last launch."""
+    from agentrl.host_syncs import sync_sites
+    from agentrl.trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=2), preset_config("small"))
+    try:
+        batch = make_batch(trainer.policy.config.vocab_size)
+        trainer.step(batch)
+        sites = sync_sites(lambda: trainer.step(batch))
+    finally:
+        trainer.close()
+    in_the_step = {site.caller: n for site, n in sites.items()
+                   if site.caller.startswith(("deepspeed/runtime/", "trainer/zero.py"))}
+    assert [n for caller, n in in_the_step.items() if caller.endswith(" step_then_read_overflow")] == [1], sites
+    assert sum(in_the_step.values()) == 1, in_the_step
+
+
 def _zero3_rank(rank: int, world_size: int, port: int, run_dir: str, results) -> None:
     import faulthandler
 
