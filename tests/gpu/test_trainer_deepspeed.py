@@ -6,6 +6,7 @@ also without a second GPU). The ranks of the ZeRO-3 test are plain processes wit
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -211,10 +212,12 @@ def test_the_zero2_step_waits_for_the_gpu_once_for_its_overflow_after_queuing_th
         sites = sync_sites(lambda: trainer.step(batch))
     finally:
         trainer.close()
-    in_the_step = {site.caller: n for site, n in sites.items()
-                   if site.caller.startswith(("deepspeed/runtime/", "trainer/zero.py"))}
-    assert [n for caller, n in in_the_step.items() if caller.endswith(" step_then_read_overflow")] == [1], sites
-    assert sum(in_the_step.values()) == 1, in_the_step
+    # DeepSpeed's own waits, and those of the norm, clip and step agentrl puts in its place (not the trainer's
+    # metrics, read after the step: zero.py's all_reduce_sum)
+    in_the_step = {re.sub(r":\d+ ", " ", site.caller): n for site, n in sites.items()  # without line numbers
+                   if site.caller.startswith("deepspeed/runtime/") or site.caller.endswith(
+                       (" step_then_read_overflow", " norm_and_found_inf", " clip_on_the_device", " _global_grad_norm"))}
+    assert in_the_step == {"trainer/zero.py step_then_read_overflow": 1}, sites
 
 
 def _zero3_rank(rank: int, world_size: int, port: int, run_dir: str, results) -> None:
