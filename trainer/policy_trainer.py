@@ -479,10 +479,10 @@ def keep_adamw_implementation(optimizer: torch.optim.Optimizer, device: torch.de
     host for the others (torch's own layouts; elsewhere a CPU-kept count would reach a GPU kernel)."""
     for group in optimizer.param_groups:
         group.update({"fused": None, "foreach": None, **adamw_implementation(device)})  # None: torch's default
+        on_device = bool(group["fused"] or group.get("capturable"))
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             if torch.is_tensor(state.get("step")):
-                on_device = bool(group["fused"] or group.get("capturable"))
                 state["step"] = state["step"].to(dtype=torch.float32, device=p.device if on_device else "cpu")
 
 

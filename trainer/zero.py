@@ -214,21 +214,23 @@ def _overflow_read_after_the_step(optimizer) -> None:
     optimizer.check_grad_overflow = False  # no host test of the norm inside DeepSpeed's step
     norm, clip, step = optimizer.scaled_global_norm, optimizer.unscale_and_clip_grads, optimizer.step
 
+    def invalid(total: torch.Tensor) -> torch.Tensor:  # DeepSpeed's invalid norms: its -1 marker, inf, NaN
+        return ~torch.isfinite(total) | (total < 0)
+
     def norm_and_found_inf(norm_type=2):
         total = norm(norm_type)
-        base.found_inf = (~torch.isfinite(total) | (total < 0)).float()  # DeepSpeed's invalid norms: -1, inf, NaN
+        base.found_inf = invalid(total).float()
         return total
 
     def clip_on_the_device(grad_groups_flat, total_norm):
         if not torch.is_tensor(total_norm) or optimizer.clip_grad <= 0.0:
             return clip(grad_groups_flat, total_norm)
-        valid = torch.isfinite(total_norm) & (total_norm >= 0)
-        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
+        clip_norm = total_norm.masked_fill(invalid(total_norm), float("inf"))
         scale = torch.clamp((clip_norm / optimizer.loss_scale + 1e-6) / optimizer.clip_grad, min=1.0)
+        factor = 1.0 / (scale * optimizer.loss_scale)
         for grad in grad_groups_flat:
             for g in grad if isinstance(grad, list) else [grad]:
-                g.data.mul_(1.0 / (scale * optimizer.loss_scale))
-        return None
+                g.data.mul_(factor)
 
     def step_then_read_overflow(closure=None):
         base.found_inf = None
