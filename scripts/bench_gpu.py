@@ -39,6 +39,7 @@ import dataclasses
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -597,7 +598,8 @@ def _profile_trainer_step(trainer, batch, out: str) -> None:
     try:
         torch.cuda.synchronize()
         started = time.perf_counter()
-        avg, gpu, syncs, launches = profiled_call(lambda: trainer.step(batch))
+        avg, gpu, syncs, launches = profiled_call(lambda: trainer.step(batch),
+                                                  trace=out.removesuffix(".txt") + ".json")
         wall = time.perf_counter() - started
     finally:
         for obj, name, fn in saved:
@@ -629,6 +631,8 @@ class Variant:
     per_tensor_grad_norm: bool = False  # DeepSpeed's norm of one gradient at a time (trainer/zero.py: one pass)
     metrics_read_per_value: bool = False  # each loss metric read back as computed (before session 30: ~10 per micro)
     offsets_as_passed: bool = False  # KDA hands fla the alias ZeRO-3 passes it (before session 32: fla's cache missed)
+    epilogue_host_wait: bool = False  # DeepSpeed's backward ends waiting for the GPU (before session 38)
+    fetch_host_wait: bool = False  # ZeRO-3's fetches of unsharded parameters wait for the GPU (before session 38)
 
 
 TRAINER_VARIANTS = {
@@ -648,6 +652,11 @@ TRAINER_VARIANTS = {
     "zero3, persistence 1e6": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 10**6}}),
     "zero3, nothing persistent": Variant(3, {"zero_optimization": {"stage3_param_persistence_threshold": 0}}),
     "zero3, offsets as DeepSpeed passes them": Variant(3, offsets_as_passed=True),
+    "zero2, the backward's end waits on the host": Variant(2, epilogue_host_wait=True),
+    "zero3, the backward's end waits on the host": Variant(3, epilogue_host_wait=True),
+    "zero3, each fetch waits on the host": Variant(3, fetch_host_wait=True),
+    "zero3, DeepSpeed's waits (fetches, the backward's end)": Variant(3, epilogue_host_wait=True,
+                                                                     fetch_host_wait=True),
 }
 
 
@@ -691,13 +700,19 @@ def _deepspeed_trainer(what: str, model, tokens: int, run_dir: str):
     from agentrl.trainer import PolicyTrainer, TrainerConfig, zero
 
     variant = TRAINER_VARIANTS[what]
-    engine_config = zero.engine_config
+    engine_config, epilogue, fetches = (zero.engine_config, zero._epilogue_without_a_host_wait,
+                                        zero._unsharded_fetches_without_a_host_wait)
     zero.engine_config = lambda **kw: _merged(engine_config(**kw), variant.engine)
+    if variant.epilogue_host_wait:
+        zero._epilogue_without_a_host_wait = lambda optimizer: None
+    if variant.fetch_host_wait:  # this process runs one variant: DeepSpeed's handles were never replaced in it
+        zero._unsharded_fetches_without_a_host_wait = lambda: None
     try:
         trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=variant.stage, dtype="bf16", lr=1e-6,
                                               micro_batch_tokens=tokens), model)
     finally:
         zero.engine_config = engine_config
+        zero._epilogue_without_a_host_wait, zero._unsharded_fetches_without_a_host_wait = epilogue, fetches
     if variant.per_tensor_overflow_check:
         del trainer.engine.optimizer.check_overflow  # the class's method again
     if variant.per_tensor_grad_norm:
@@ -842,15 +857,19 @@ def host_syncs_and_launches(averages) -> tuple[int, int]:
     return syncs, launches
 
 
-def profiled_call(step) -> tuple:
+def profiled_call(step, trace: str | None = None) -> tuple:
     """One call of `step` under torch.profiler: (its key averages, the GPU's kernel seconds, host syncs, kernel
-    launches)."""
+    launches). `trace`: a file for its timeline (Chrome's trace format, gzipped), where the GPU's idle gaps and what
+    the host did in them can be read."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+        subprocess.run(["gzip", "-f", trace], check=True)
     avg = prof.key_averages()
     # kernels only (as the table's "Self CUDA time total"): an aten op's self device time repeats them
     gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA and not e.is_user_annotation)

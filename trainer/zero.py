@@ -47,6 +47,7 @@ import deepspeed.ops  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
+from deepspeed.runtime.zero import partition_parameters  # noqa: E402
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 from deepspeed.runtime.zero.utils import get_norm_dtype  # noqa: E402
@@ -168,6 +169,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
     _check_overflow_by_the_norm(engine.optimizer)
     _norm_in_one_pass(engine.optimizer)
     _overflow_read_after_the_step(engine.optimizer)
+    _epilogue_without_a_host_wait(engine.optimizer)
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        _unsharded_fetches_without_a_host_wait()
     return engine
 
 
@@ -204,8 +208,8 @@ def _overflow_read_after_the_step(optimizer) -> None:
     leaves weights, moments and step counts as they were. The clip takes the norm on the device too (a norm that is
     not finite clips by infinity, as DeepSpeed's). After the step is queued its one read sets `overflow`, which the
     engine uses as it does DeepSpeed's own: the step is counted as skipped and the learning-rate schedule does not
-    advance. (The backward's end still waits for the GPU: DeepSpeed's epilogue synchronizes the device under
-    `overlap_comm`.) The other Adam kernels take no `found_inf`: they keep DeepSpeed's host decision."""
+    advance. (The backward's end waited for the GPU too: `_epilogue_without_a_host_wait`.) The other Adam kernels take
+    no `found_inf`: they keep DeepSpeed's host decision."""
     base = getattr(optimizer, "optimizer", None)
     if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload
             and optimizer.compute_grad_norm and optimizer.check_grad_overflow and optimizer.dtype == torch.bfloat16
@@ -244,6 +248,73 @@ def _overflow_read_after_the_step(optimizer) -> None:
     optimizer.scaled_global_norm = norm_and_found_inf
     optimizer.unscale_and_clip_grads = clip_on_the_device
     optimizer.step = step_then_read_overflow
+
+
+def _epilogue_without_a_host_wait(optimizer) -> None:
+    """The end of each backward orders the GPU's streams instead of holding the host until the GPU is idle.
+
+    With `overlap_comm` the gradient reduction runs on a side stream, and its last bucket is queued there in the
+    backward's epilogue, with the copies of the reduced gradients into the flat partition the optimizer reads. The
+    epilogue then waits for it on the host (ZeRO-1/2 synchronizes the whole device, ZeRO-3 the side stream) before
+    it drops the references to the reduced gradients. No host code reads those gradients: what the wait orders is
+    GPU work, the optimizer's kernels and the next micro-batch's use of the freed memory, all queued on the compute
+    stream. Making the compute stream wait for the side stream (an event, no host wait) orders the same, and the
+    caching allocator hands memory freed on one stream to its own stream's later work only. The host can then queue
+    the optimizer step (or the next micro-batch's forward) while the GPU still runs the backward's tail: without it,
+    the GPU ran dry at every backward's end and stayed idle while the host worked through the step's Python.
+    Stands in for the wait only inside the epilogue, only on CUDA (elsewhere DeepSpeed skips it: its CPU accelerator
+    resolves the dependency itself)."""
+    if not torch.cuda.is_available() or get_accelerator().resolves_data_dependency():
+        return
+    if isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.overlap_comm and not optimizer.cpu_offload:
+        side, waits = optimizer.reduction_stream, get_accelerator()  # DeepSpeed: get_accelerator().synchronize()
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not optimizer.offload_optimizer:
+        side = waits = optimizer.reduce_and_partition_stream  # DeepSpeed: reduce_and_partition_stream.synchronize()
+    else:
+        return
+    epilogue = optimizer.independent_gradient_partition_epilogue
+
+    def epilogue_ordered_on_the_gpu():
+        waits.synchronize = lambda *device: torch.cuda.current_stream().wait_stream(side)
+        try:
+            epilogue()
+        finally:
+            del waits.synchronize  # the class's method again
+
+    optimizer.independent_gradient_partition_epilogue = epilogue_ordered_on_the_gpu
+
+
+def _unsharded_fetches_without_a_host_wait() -> None:
+    """ZeRO-3 over a partition group of one rank fetches a module's parameters without gathering: the partition is
+    the whole tensor, already on the GPU, and the parameter takes it as its data (DeepSpeed's `NoGatherHandle`s; a
+    `.to()` of a tensor already on its device is the tensor itself). Yet each such fetch's wait synchronized the
+    compute stream, holding the host until the GPU had run everything queued: at every module whose parameters are
+    sharded, in the forward, its recomputation and the backward. Nothing was in flight to wait for. The wait is
+    kept where a parameter's partition lives elsewhere (offloaded, quantized): there the fetch made a copy.
+    Process-wide (DeepSpeed's handle classes; DeepSpeed's own is kept as the new method's `deepspeed_wait`),
+    idempotent."""
+    def on_this_device(params) -> bool:
+        here = torch.device(get_accelerator().current_device_name())
+        return all(p.ds_tensor.device == here and not hasattr(p.ds_tensor, "ds_quant_scale") for p in params)
+
+    for handle_class, params_of in (
+            (partition_parameters.NoGatherHandle, lambda h: [h._NoGatherHandle__param]),
+            (partition_parameters.NoGatherCoalescedHandle, lambda h: h._NoGatherCoalescedHandle__params)):
+        if hasattr(handle_class.wait, "deepspeed_wait"):
+            continue
+
+        def wait(self, *, _wait=handle_class.wait, _params_of=params_of, **kwargs) -> None:
+            if not on_this_device(_params_of(self)):
+                return _wait(self, **kwargs)
+            accelerator = get_accelerator()  # DeepSpeed's wait syncs unless the accelerator orders the data itself
+            accelerator.resolves_data_dependency = lambda: True
+            try:
+                return _wait(self, **kwargs)
+            finally:
+                del accelerator.resolves_data_dependency  # the class's method again
+
+        wait.deepspeed_wait = handle_class.wait
+        handle_class.wait = wait
 
 
 def _norm_in_one_pass(optimizer) -> None:

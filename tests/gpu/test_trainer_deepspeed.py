@@ -220,6 +220,71 @@ def test_the_zero2_step_waits_for_the_gpu_once_for_its_overflow_after_queuing_th
     assert in_the_step == {"trainer/zero.py step_then_read_overflow": 1}, sites
 
 
+def _fp32_master(optimizer) -> torch.Tensor:
+    """ZeRO's fp32 master weights, flat, in one tensor (ZeRO-1/2 or ZeRO-3)."""
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_partitioned_groups_flat
+    return torch.cat([f.detach().float().flatten() for f in flats])
+
+
+def _steps_counting_host_waits(tmp_path, zero_stage: int, monkeypatch):
+    """(the master weights' move over two steps, the steps' gradient norms, the device and stream synchronizes made
+    inside the second step) of a fresh `small` trainer."""
+    from agentrl.trainer import PolicyTrainer
+
+    waits, counting = [], [False]
+    device_sync, stream_sync = torch.cuda.synchronize, torch.cuda.Stream.synchronize
+
+    def counted_device_sync(*args, **kwargs):
+        waits.extend(["device"] if counting[0] else [])
+        return device_sync(*args, **kwargs)
+
+    def counted_stream_sync(stream):
+        waits.extend(["stream"] if counting[0] else [])
+        return stream_sync(stream)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counted_device_sync)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted_stream_sync)
+    trainer = PolicyTrainer(trainer_config(str(tmp_path), zero_stage=zero_stage), preset_config("small"))
+    try:
+        batch = make_batch(trainer.policy.config.vocab_size)
+        before = _fp32_master(trainer.engine.optimizer)
+        norms = [trainer.step(batch)["grad_norm"]]  # the first: ZeRO-3 records its fetch order
+        counting[0] = True
+        norms.append(trainer.step(batch)["grad_norm"])
+        counting[0] = False
+        moved = _fp32_master(trainer.engine.optimizer) - before
+    finally:
+        trainer.close()
+    return moved, norms, waits
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_step_never_holds_the_host_until_the_gpu_is_idle_and_trains_as_with_deepspeeds_waits(
+        tmp_path, zero_stage, monkeypatch):
+    """DeepSpeed held the host until the GPU had run everything queued at each backward's end (ZeRO-2 synchronized
+    the device, ZeRO-3 its reduction stream) and, under ZeRO-3 on one rank, at each module's parameter fetch, which
+    gathers nothing there (trainer/zero.py: `_epilogue_without_a_host_wait`, `_unsharded_fetches_without_a_host_wait`).
+    A step (two micro-batches) now makes no device or stream synchronize, and two steps move the fp32 master weights
+    as with DeepSpeed's waits from the same weights and batch: a step that read its gradients before the last
+    reduction landed would not."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    from agentrl.trainer import zero
+
+    moved, norms, waits = _steps_counting_host_waits(tmp_path / "queued", zero_stage, monkeypatch)
+    assert waits == []
+    monkeypatch.setattr(zero, "_epilogue_without_a_host_wait", lambda optimizer: None)
+    monkeypatch.setattr(zero, "_unsharded_fetches_without_a_host_wait", lambda: None)
+    for handle in (partition_parameters.NoGatherHandle, partition_parameters.NoGatherCoalescedHandle):
+        monkeypatch.setattr(handle, "wait", getattr(handle.wait, "deepspeed_wait", handle.wait))
+    moved_ds, norms_ds, waits_ds = _steps_counting_host_waits(tmp_path / "ds", zero_stage, monkeypatch)
+    assert len(waits_ds) >= 2, "DeepSpeed no longer waits: this test has nothing to compare"
+    assert norms == pytest.approx(norms_ds, rel=1e-2)
+    # the backward's kernels are not bitwise deterministic (fla's atomics), and Adam's first steps move each weight
+    # by about the learning rate whatever the gradient's size: compare the moves as vectors
+    assert (moved - moved_ds).norm() <= 0.05 * moved_ds.norm()
+    assert torch.nn.functional.cosine_similarity(moved, moved_ds, dim=0) > 0.99
+
 def _zero3_rank(rank: int, world_size: int, port: int, run_dir: str, results) -> None:
     import faulthandler
 
