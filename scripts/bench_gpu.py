@@ -706,7 +706,7 @@ def _deepspeed_trainer(what: str, model, tokens: int, run_dir: str):
     if variant.epilogue_host_wait:
         zero._epilogue_without_a_host_wait = lambda optimizer: None
     if variant.fetch_host_wait:  # this process runs one variant: DeepSpeed's handles were never replaced in it
-        zero._unsharded_fetches_without_a_host_wait = lambda: None
+        zero._unsharded_fetches_without_a_host_wait = lambda optimizer: None
     try:
         trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=variant.stage, dtype="bf16", lr=1e-6,
                                               micro_batch_tokens=tokens), model)

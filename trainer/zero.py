@@ -31,6 +31,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -171,7 +172,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
     _overflow_read_after_the_step(engine.optimizer)
     _epilogue_without_a_host_wait(engine.optimizer)
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
-        _unsharded_fetches_without_a_host_wait()
+        _unsharded_fetches_without_a_host_wait(engine.optimizer)
     return engine
 
 
@@ -275,24 +276,24 @@ def _epilogue_without_a_host_wait(optimizer) -> None:
     epilogue = optimizer.independent_gradient_partition_epilogue
 
     def epilogue_ordered_on_the_gpu():
-        waits.synchronize = lambda *device: torch.cuda.current_stream().wait_stream(side)
-        try:
+        with _shadowed(waits, "synchronize", lambda *device: torch.cuda.current_stream().wait_stream(side)):
             epilogue()
-        finally:
-            del waits.synchronize  # the class's method again
 
     optimizer.independent_gradient_partition_epilogue = epilogue_ordered_on_the_gpu
 
 
-def _unsharded_fetches_without_a_host_wait() -> None:
+def _unsharded_fetches_without_a_host_wait(optimizer) -> None:
     """ZeRO-3 over a partition group of one rank fetches a module's parameters without gathering: the partition is
     the whole tensor, already on the GPU, and the parameter takes it as its data (DeepSpeed's `NoGatherHandle`s; a
-    `.to()` of a tensor already on its device is the tensor itself). Yet each such fetch's wait synchronized the
-    compute stream, holding the host until the GPU had run everything queued: at every module whose parameters are
-    sharded, in the forward, its recomputation and the backward. Nothing was in flight to wait for. The wait is
-    kept where a parameter's partition lives elsewhere (offloaded, quantized): there the fetch made a copy.
-    Process-wide (DeepSpeed's handle classes; DeepSpeed's own is kept as the new method's `deepspeed_wait`),
-    idempotent."""
+    `.to()` of a tensor already on its device is the tensor itself). Yet DeepSpeed held the host until the GPU had
+    run everything queued at every module whose parameters are sharded, in the forward, its recomputation and the
+    backward, twice over: each such fetch's wait synchronized the compute stream, and the fetch then recorded an
+    event per parameter and, past two in flight, waited on the host for the oldest (a bound on the memory that
+    gathers in flight hold; a module of four or more parameters reached it at once, on events just recorded).
+    Nothing was in flight and nothing was allocated. So a fetch that made no copy does not synchronize (the wait is
+    kept where a partition lives elsewhere, offloaded or quantized: there the fetch copies), and with a partition
+    group of one rank, where no fetch allocates, the fetch events do not bound the host. The handles are
+    DeepSpeed's classes, changed process-wide (DeepSpeed's own wait kept as the new method's `deepspeed_wait`)."""
     def on_this_device(params) -> bool:
         here = torch.device(get_accelerator().current_device_name())
         return all(p.ds_tensor.device == here and not hasattr(p.ds_tensor, "ds_quant_scale") for p in params)
@@ -306,15 +307,30 @@ def _unsharded_fetches_without_a_host_wait() -> None:
         def wait(self, *, _wait=handle_class.wait, _params_of=params_of, **kwargs) -> None:
             if not on_this_device(_params_of(self)):
                 return _wait(self, **kwargs)
-            accelerator = get_accelerator()  # DeepSpeed's wait syncs unless the accelerator orders the data itself
-            accelerator.resolves_data_dependency = lambda: True
-            try:
+            # DeepSpeed's wait syncs unless the accelerator orders the data itself
+            with _shadowed(get_accelerator(), "resolves_data_dependency", lambda: True):
                 return _wait(self, **kwargs)
-            finally:
-                del accelerator.resolves_data_dependency  # the class's method again
 
         wait.deepspeed_wait = handle_class.wait
         handle_class.wait = wait
+    if dist.get_world_size(group=optimizer.dp_process_group) == 1:
+        coordinator = optimizer.parameter_offload.get_param_coordinator()
+        coordinator._PartitionedParameterCoordinator__max_ongoing_fetch_events = sys.maxsize
+
+
+@contextlib.contextmanager
+def _shadowed(obj, name: str, value):
+    """`obj.name` is `value` inside the block (an instance attribute over the class's method), as before after it."""
+    missing = object()
+    before = obj.__dict__.get(name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if before is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, before)
 
 
 def _norm_in_one_pass(optimizer) -> None:

@@ -274,7 +274,7 @@ def test_a_step_never_holds_the_host_until_the_gpu_is_idle_and_trains_as_with_de
     moved, norms, waits = _steps_counting_host_waits(tmp_path / "queued", zero_stage, monkeypatch)
     assert waits == []
     monkeypatch.setattr(zero, "_epilogue_without_a_host_wait", lambda optimizer: None)
-    monkeypatch.setattr(zero, "_unsharded_fetches_without_a_host_wait", lambda: None)
+    monkeypatch.setattr(zero, "_unsharded_fetches_without_a_host_wait", lambda optimizer: None)
     for handle in (partition_parameters.NoGatherHandle, partition_parameters.NoGatherCoalescedHandle):
         monkeypatch.setattr(handle, "wait", getattr(handle.wait, "deepspeed_wait", handle.wait))
     moved_ds, norms_ds, waits_ds = _steps_counting_host_waits(tmp_path / "ds", zero_stage, monkeypatch)

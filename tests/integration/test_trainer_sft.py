@@ -314,3 +314,25 @@ def test_under_zero3_no_parameter_is_found_only_on_access(model_dir, tmp_path): 
         trainer.close()
     assert found, "the registered external parameters are missing"
     assert all(n.endswith("lm_head.weight") or "_res_norm." in n or "_res_proj." in n for n in found), found
+
+
+def test_zero3_on_one_rank_lifts_the_bound_its_fetches_put_on_the_host(model_dir, tmp_path):  # noqa: F811
+    """At one rank a ZeRO-3 fetch gathers nothing (the partition is the parameter), so the bound DeepSpeed puts on
+    fetches in flight (past two, the host waits for the oldest: a bound on gathered memory) only holds the host back;
+    trainer/zero.py lifts it, and its fetch handles keep DeepSpeed's wait for a partition that lives elsewhere. This
+    checks the DeepSpeed names it reaches into, which a DeepSpeed upgrade could rename (the waits themselves are CUDA's:
+    tests/gpu/test_trainer_deepspeed.py counts them)."""
+    import sys
+
+    from deepspeed.runtime.zero import partition_parameters
+
+    trainer = one_rank_trainer(model_dir, tmp_path, zero_stage=3, gradient_checkpointing=True)
+    try:
+        coordinator = trainer.engine.optimizer.parameter_offload.get_param_coordinator()
+        assert coordinator._PartitionedParameterCoordinator__max_ongoing_fetch_events == sys.maxsize
+        for handle in (partition_parameters.NoGatherHandle, partition_parameters.NoGatherCoalescedHandle):
+            assert callable(handle.wait.deepspeed_wait) and handle.wait.deepspeed_wait is not handle.wait
+        metrics = trainer.step([oracle(i, np.random.default_rng(i)) for i in range(4)], LossConfig(kind="sft"))
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    finally:
+        trainer.close()
