@@ -171,8 +171,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict,
     _norm_in_one_pass(engine.optimizer)
     _overflow_read_after_the_step(engine.optimizer)
     _epilogue_without_a_host_wait(engine.optimizer)
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
-        _unsharded_fetches_without_a_host_wait(engine.optimizer)
+    _unsharded_fetches_without_a_host_wait(engine.optimizer)
     return engine
 
 
@@ -294,6 +293,9 @@ def _unsharded_fetches_without_a_host_wait(optimizer) -> None:
     kept where a partition lives elsewhere, offloaded or quantized: there the fetch copies), and with a partition
     group of one rank, where no fetch allocates, the fetch events do not bound the host. The handles are
     DeepSpeed's classes, changed process-wide (DeepSpeed's own wait kept as the new method's `deepspeed_wait`)."""
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return
+
     def on_this_device(params) -> bool:
         here = torch.device(get_accelerator().current_device_name())
         return all(p.ds_tensor.device == here and not hasattr(p.ds_tensor, "ds_quant_scale") for p in params)

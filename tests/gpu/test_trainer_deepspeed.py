@@ -285,6 +285,7 @@ def test_a_step_never_holds_the_host_until_the_gpu_is_idle_and_trains_as_with_de
     assert (moved - moved_ds).norm() <= 0.05 * moved_ds.norm()
     assert torch.nn.functional.cosine_similarity(moved, moved_ds, dim=0) > 0.99
 
+
 def _zero3_rank(rank: int, world_size: int, port: int, run_dir: str, results) -> None:
     import faulthandler
 
