@@ -633,6 +633,7 @@ class Variant:
     offsets_as_passed: bool = False  # KDA hands fla the alias ZeRO-3 passes it (before session 32: fla's cache missed)
     epilogue_host_wait: bool = False  # DeepSpeed's backward ends waiting for the GPU (before session 38)
     fetch_host_wait: bool = False  # ZeRO-3's fetches of unsharded parameters wait for the GPU (before session 38)
+    cuda_graphs: bool = False  # micro-batches replayed from a CUDA graph of the micro-batch budget (session 39)
 
 
 TRAINER_VARIANTS = {
@@ -657,6 +658,7 @@ TRAINER_VARIANTS = {
     "zero3, each fetch waits on the host": Variant(3, fetch_host_wait=True),
     "zero3, DeepSpeed's waits (fetches, the backward's end)": Variant(3, epilogue_host_wait=True,
                                                                      fetch_host_wait=True),
+    "zero2, micro-batches replayed from CUDA graphs": Variant(2, cuda_graphs=True),
 }
 
 
@@ -709,7 +711,8 @@ def _deepspeed_trainer(what: str, model, tokens: int, run_dir: str):
         zero._unsharded_fetches_without_a_host_wait = lambda optimizer: None
     try:
         trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=variant.stage, dtype="bf16", lr=1e-6,
-                                              micro_batch_tokens=tokens), model)
+                                              micro_batch_tokens=tokens,
+                                              cuda_graph_tokens=(tokens,) if variant.cuda_graphs else ()), model)
     finally:
         zero.engine_config = engine_config
         zero._epilogue_without_a_host_wait, zero._unsharded_fetches_without_a_host_wait = epilogue, fetches
@@ -956,6 +959,24 @@ def _components(model, tokens: int):
             yield name, len(matching), fwd_bwd(forward(matching[0]))
     yield "log-prob head", 1, fwd_bwd(lambda h: chunked_token_logprobs(h, model.lm_head.weight, targets)[0])
     yield "whole step", 1, train_step(model, agentrl_loss, tokens)
+    yield "whole step, replayed from a CUDA graph", 1, graphed_train_step(model, tokens)
+
+
+def graphed_train_step(model, tokens: int):
+    """`train_step`'s forward + backward (one sequence of `tokens`, the same loss) replayed from a CUDA graph of
+    `tokens` tokens (trainer/cuda_graphs.py; the first call records it): the step without its launches."""
+    from agentrl.trainer.cuda_graphs import GraphedForward
+
+    graphs = GraphedForward(model, (tokens,), max_sequences=8)
+    ids = torch.randint(0, model.config.vocab_size, (tokens + 1,), device="cuda")
+    cu_seqlens = torch.tensor([0, tokens], device="cuda")
+
+    def step():
+        logprobs, _ = graphs(ids[:-1], cu_seqlens, ids[1:], None, 1.0)
+        (-logprobs.mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
 
 
 def bench_components(tokens_list, models: list[str] | None) -> None:
@@ -973,7 +994,7 @@ def bench_components(tokens_list, models: list[str] | None) -> None:
                 _, gpu, syncs, launches = profiled_call(step)
                 measured.append((name, count, wall, gpu, syncs, launches))
                 print(f"  {key} T={tokens} {name}: wall {wall * 1e3:.2f} ms, {launches} launches", flush=True)
-            whole_launches = measured[-1][5]
+            whole_launches = next(m[5] for m in measured if m[0] == "whole step")
             for name, count, wall, gpu, syncs, launches in measured:
                 rows.append([key, f"{tokens:,}", name, count, f"{wall * 1e3:.2f}", f"{gpu * 1e3:.2f}",
                              f"{gpu / wall * 100:.0f}%", syncs, launches, f"{wall / launches * 1e6:.0f}",

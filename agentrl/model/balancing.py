@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.model import static_shapes
+
 BALANCING_METHODS = ("quantile", "sign", "none")
 
 
@@ -54,10 +56,10 @@ def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
     return add_counts(torch.zeros(n, dtype=torch.long, device=values.device), values)
 
 
-def add_counts(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """counts[v] += 1 for every v in `values` (int64, each a valid index), in place; returns `counts`. One kernel:
-    the ones are a single cached element, expanded."""
-    return counts.scatter_add_(0, values, _one(values.device).expand_as(values))
+def add_counts(counts: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """counts[v] += 1 (or the int64 weight beside v) for every v in `values` (int64, each a valid index), in place;
+    returns `counts`. One kernel: without weights the ones are a single cached element, expanded."""
+    return counts.scatter_add_(0, values, _one(values.device).expand_as(values) if weights is None else weights)
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}
@@ -144,32 +146,43 @@ class ExpertBalancer:
         self.last_stats: BalancingStats | None = None  # global statistics of the last completed step
 
     @torch.no_grad()
-    def observe(self, scores_TE: torch.Tensor, bias_E: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
+    def observe(self, scores_TE: torch.Tensor, bias_E: torch.Tensor, topk_idx_TK: torch.Tensor,
+                counted_T: torch.Tensor | None = None) -> None:
         """Adds one forward's router scores (unbiased sigmoid scores) and chosen experts.
+
+        `counted_T`: which tokens count (bool or 0/1 [T]; None: all). A micro-batch padded to a CUDA graph's size
+        routes its padding tokens like any others, and they must not steer the bias (cuda_graphs.py).
 
         A dozen kernels a call (the short step is host-bound, and every MoE layer calls this once per forward and
         once more per recomputation): the counts go straight into this step's integer counters, and the
-        histogram's range, which depends only on the bias, is computed once per bias.
+        histogram's range, which depends only on the bias, is computed once per bias. The counters live from the
+        first forward on and are zeroed in place by `reset`: a captured forward keeps adding into them.
         """
         if self.method == "none":
             return
-        if self.load_E is None:  # the step's first forward
+        if self.load_E is None:  # the first forward
             self.load_E = torch.zeros(self.num_experts, dtype=torch.long, device=scores_TE.device)
             if self.method == "quantile":
                 self.hist_EB = torch.zeros(self.num_experts, self.num_bins, dtype=torch.long, device=scores_TE.device)
-        add_counts(self.load_E, topk_idx_TK.reshape(-1))
+        counted = None if counted_T is None else counted_T.to(torch.long)[:, None]
+        add_counts(self.load_E, topk_idx_TK.reshape(-1),
+                   None if counted is None else counted.expand_as(topk_idx_TK).reshape(-1))
         if self.method != "quantile":
             return
         lo, scale, offsets_E = self._binning(bias_E)
         scores_TE = scores_TE.float()
         margins_TE = scores_TE - competitor_threshold(scores_TE + bias_E.float(), self.top_k)
         bins_TE = ((margins_TE - lo) * scale).long().clamp_(0, self.num_bins - 1)
-        add_counts(self.hist_EB.view(-1), (bins_TE + offsets_E).reshape(-1))
+        add_counts(self.hist_EB.view(-1), (bins_TE + offsets_E).reshape(-1),
+                   None if counted is None else counted.expand_as(bins_TE).reshape(-1))
 
     def _binning(self, bias_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lo, bins per unit of margin, each expert's first bin in the flat histogram) for this bias; 0-dim fp64
         tensors and [E] int64, kept on the device (a host read here would stall every MoE layer's forward) and
         recomputed when the bias is another tensor or has been written since."""
+        if static_shapes.active():  # a captured forward replays with whatever bias is current: no cache
+            lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
+            return lo, self.num_bins / (hi - lo), torch.arange(self.num_experts, device=bias_E.device) * self.num_bins
         key = (bias_E, bias_E._version)
         cached = self._binning_cache
         if cached is None or cached[0] is not key[0] or cached[1] != key[1]:
@@ -179,8 +192,10 @@ class ExpertBalancer:
         return cached[2]
 
     def stats(self) -> BalancingStats | None:
-        """This rank's statistics since the last update."""
-        return None if self.load_E is None else _stats(self.load_E.double())
+        """This rank's statistics since the last update (None when it counted nothing)."""
+        if self.load_E is None or not bool(self.load_E.any()):
+            return None
+        return _stats(self.load_E.double())
 
     def update(self, bias_E: torch.Tensor,
                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -203,9 +218,10 @@ class ExpertBalancer:
         return [self.hist_EB.reshape(-1), self.load_E] if self.method == "quantile" else [self.load_E]
 
     def reset(self) -> None:
-        """Forgets what was observed since the last update (last_stats stays)."""
-        self.hist_EB = None
-        self.load_E = None
+        """Forgets what was observed since the last update (last_stats stays): the counters are zeroed in place."""
+        for counts in (self.load_E, self.hist_EB):
+            if counts is not None:
+                counts.zero_()
 
 
 @torch.no_grad()

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from agentrl.model import static_shapes
 from agentrl.model.layers import l2norm
 
 __all__ = [
@@ -576,9 +577,10 @@ def kda(
         fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=, initial_state=, output_final_state=,
                               use_qk_l2norm_in_kernel=F, use_gate_in_kernel=F, use_beta_sigmoid_in_kernel=F,
                               [A_log=, dt_bias=,] safe_gate=bounded, lower_bound=lower_bound if bounded else None,
-                              state_v_first=False, cu_seqlens=)
-    with F = whether `gate` is given, or, for `mode="recurrent"` (and for `"auto"` with T ≤ FLA_DECODE_MAX_LEN when
-    nothing needs gradients, as fla's own KDA layer does), `fla.ops.kda.fused_recurrent_kda` with the same
+                              state_v_first=False, cu_seqlens=[, use_graph=True, max_num_seqs=N])
+    (the graph-mode pair inside `static_shapes()`, for CUDA graph capture) with F = whether `gate` is given, or, for
+    `mode="recurrent"` (and for `"auto"` with T ≤ FLA_DECODE_MAX_LEN when nothing needs gradients, as fla's own KDA
+    layer does), `fla.ops.kda.fused_recurrent_kda` with the same
     q/k/v/g/beta/state and prologue arguments and no safe_gate. fla 0.6.0's fused recurrent kernel has no backward, so
     it is never used for inputs that need gradients.
 
@@ -653,6 +655,9 @@ def kda(
         o, final = fla_kda.fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta,
                                                lower_bound=lower_bound if bounded and fused else None, **fla_args)
     else:
+        if cu_seqlens is not None and static_shapes.active():
+            # fla's graph mode: the chunk list from the offsets on the GPU, with a row count fixed by their number
+            fla_args.update(use_graph=True, max_num_seqs=cu_seqlens.numel() - 1)
         o, final = fla_kda.chunk_kda(
             q=q, k=k, v=v, g=g, beta=beta, safe_gate=bounded, lower_bound=lower_bound if bounded else None, **fla_args
         )

@@ -81,10 +81,10 @@ class HybridDecoderLayer(nn.Module):
             cache.layers[self.layer_idx] = new_state
         return out
 
-    def feed_forward(self, h_TD, forced_experts_TK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def feed_forward(self, h_TD, forced_experts_TK, counted_T=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         h_TD = self.post_attention_layernorm(h_TD)
         if self.is_moe:
-            return self.block_sparse_moe(h_TD, forced_experts_TK)
+            return self.block_sparse_moe(h_TD, forced_experts_TK, counted_T)
         return self.mlp(h_TD), None
 
 
@@ -109,13 +109,15 @@ class HybridMoEModel(nn.Module):
 
     def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, cache: HybridCache | None = None,
                 use_cache: bool = False, forced_experts_TLK: torch.Tensor | None = None,
-                shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                shard: ContextShard | None = None, counted_T: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed tokens → final-norm hidden states [T, D] and the routed experts [T, L, K] (None without MoE).
 
         `shard`: under context parallelism the tokens are this rank's slice of a micro-batch and `cu_seqlens` its
         pieces of sequences (shard.cu_seqlens); KDA and MLA exchange what crosses ranks (context_parallel.py),
         everything else is per token. The trainer slices on the host: the shard's offsets come to the tokens'
-        device here."""
+        device here. `counted_T`: the tokens the MoE layers' load balancers count (None: all; a micro-batch padded
+        for a CUDA graph leaves its padding out)."""
         if shard is not None and shard.cu_seqlens.device != input_ids_T.device:
             shard = shard.on(input_ids_T.device)
         x = self.embed_tokens(input_ids_T)
@@ -127,7 +129,7 @@ class HybridMoEModel(nn.Module):
             if forced_experts_TLK is not None and layer.is_moe:
                 forced = forced_experts_TLK[:, moe_slot[layer.layer_idx]]
             attn = lambda h, layer=layer: layer.attention(h, cu_seqlens, cache, use_cache, shard)  # noqa: E731
-            ffn = lambda h, f=forced, layer=layer: layer.feed_forward(h, f)  # noqa: E731
+            ffn = lambda h, f=forced, layer=layer: layer.feed_forward(h, f, counted_T)  # noqa: E731
             if blocks is None:
                 x = x + self._run(attn, x)
                 out, experts = self._run(ffn, x)

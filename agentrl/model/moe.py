@@ -66,15 +66,16 @@ class Router(nn.Module):
             biased = biased.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
         return biased.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (gate weights [T, K] fp32, expert ids [T, K])."""
+    def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None,
+                counted_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (gate weights [T, K] fp32, expert ids [T, K]). `counted_T`: the tokens the balancer counts
+        (None: all; `ExpertBalancer.observe`)."""
         compute = torch.promote_types(x_TD.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
         scores = torch.sigmoid(F.linear(x_TD.to(compute), self.weight.to(compute)))
         with torch.no_grad():
             topk_idx = self.select(scores)
         if self.training:
-            self.balancer.observe(scores.detach(), self.e_score_correction_bias, topk_idx)
+            self.balancer.observe(scores.detach(), self.e_score_correction_bias, topk_idx, counted_T)
         if forced_experts_TK is not None:
             if forced_experts_TK.shape != topk_idx.shape:
                 raise ValueError(f"forced experts have shape {tuple(forced_experts_TK.shape)}, "
@@ -238,10 +239,11 @@ class SparseMoE(nn.Module):
             self.routed_expert_norm = RMSNorm(width, config.rms_norm_eps) if config.latent_moe_use_norm else None
             self.routed_expert_up_proj = nn.Linear(width, hidden, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the output [T, D] and the experts used [T, K] (for routing capture)."""
-        weights, experts = self.gate(x_TD, forced_experts_TK)
+    def forward(self, x_TD: torch.Tensor, forced_experts_TK: torch.Tensor | None = None,
+                counted_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output [T, D] and the experts used [T, K] (for routing capture). `counted_T`: the tokens
+        the load balancer counts (None: all)."""
+        weights, experts = self.gate(x_TD, forced_experts_TK, counted_T)
         routed_in = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         routed = self.experts(routed_in, weights, experts)
         if self.latent:

@@ -254,7 +254,13 @@ def test_all_layers_update_from_one_collective_as_each_would_alone():
     assert together[3] is None and alone[3] is None  # "none" balances nothing
     for got, want in zip(together[:3], alone[:3]):
         torch.testing.assert_close(got, want)
-    assert all(b.load_E is None and b.hist_EB is None for b in balancers)  # reset for the next step
+    # reset for the next step, in place: a captured forward keeps adding into the same counters
+    counters = [(b.load_E, b.hist_EB) for b in balancers[:3]]
+    assert all(load.sum() == 0 and (hist is None or hist.sum() == 0) for load, hist in counters)
+    for b, (load, _) in zip(balancers, counters):
+        b.observe(torch.rand(10, b.num_experts), torch.zeros(b.num_experts), torch.zeros(10, 3, dtype=torch.long))
+        assert b.load_E is load and b.load_E.sum() == 30
+    assert balancers[3].load_E is None  # "none" counts nothing
     assert balancers[0].last_stats.load_E.sum() == 500 * 3
     # the quantile layers against the exact quantile of their margins
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,124 @@
+"""The CPU-checkable parts of replaying short micro-batches from CUDA graphs (trainer/cuda_graphs.py): the fixed-size
+chunk list, the padding and what the model makes of it, the balancers' token mask, and the setups it refuses. The
+capture and replay themselves: tests/gpu/test_cuda_graphs.py."""
+
+import pytest
+import torch
+
+from agentrl.model.balancing import ExpertBalancer
+from agentrl.model.config import preset_config
+from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
+from agentrl.model.static_shapes import active, conv_chunk_indices, static_shapes
+from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.cuda_graphs import check_supported, pad_micro_batch
+
+
+def _chunks_by_loop(lengths: list[int], chunk: int) -> list[tuple[int, int]]:
+    return [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 130, 64, 1, 0, 0], [200, 0], [0, 0, 0], [63, 64, 65, 0]])
+def test_the_fixed_chunk_list_is_the_real_chunks_then_rows_of_the_empty_last_sequence(lengths):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    num_tokens = int(cu[-1])
+    got = conv_chunk_indices(cu, 64, num_tokens)
+    real = _chunks_by_loop(lengths, 64)
+    assert got.shape == (-(-num_tokens // 64) + len(lengths) - 1, 2) and got.dtype == torch.long
+    assert [tuple(row) for row in got[:len(real)].tolist()] == real
+    assert (got[len(real):, 0] == len(lengths) - 1).all() and (got[len(real):, 1] == 0).all()
+
+
+def test_the_static_shapes_flag_holds_inside_its_block_only():
+    assert not active()
+    with static_shapes():
+        assert active()
+    assert not active()
+
+
+def test_a_balancer_leaves_out_the_tokens_it_is_told_not_to_count():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.sigmoid(torch.randn(40, 8, generator=gen))
+    bias = torch.randn(8, generator=gen) * 0.05
+    topk = (scores + bias).topk(2).indices
+    counted = torch.arange(40) % 3 != 0
+    masked, subset = (ExpertBalancer(num_experts=8, top_k=2, num_bins=64) for _ in range(2))
+    masked.observe(scores, bias, topk, counted)
+    subset.observe(scores[counted], bias, topk[counted])
+    assert torch.equal(masked.load_E, subset.load_E) and torch.equal(masked.hist_EB, subset.hist_EB)
+    assert masked.load_E.sum() == 2 * int(counted.sum())
+    with static_shapes():  # the range recomputed from the bias, not cached: the same bins
+        uncached = ExpertBalancer(num_experts=8, top_k=2, num_bins=64)
+        uncached.observe(scores, bias, topk, counted)
+    assert torch.equal(uncached.hist_EB, masked.hist_EB)
+    nothing = ExpertBalancer(num_experts=8, top_k=2, num_bins=64)
+    nothing.observe(scores, bias, topk, torch.zeros(40, dtype=torch.bool))
+    assert nothing.load_E.sum() == 0 and nothing.stats() is None
+
+
+def test_padding_leaves_each_real_tokens_log_prob_and_the_balancers_counts_as_without_it():
+    torch.manual_seed(0)
+    model = HybridMoEForCausalLM(preset_config("tiny")).double().train()
+    vocab = model.config.vocab_size
+    lengths = [7, 20, 3]
+    cu = torch.tensor([0, 7, 27, 30])
+    ids, targets = torch.randint(0, vocab, (30,)), torch.randint(0, vocab, (30,))
+    moe = model.moe_layers
+    top_k = moe[0].gate.top_k
+
+    def counts():
+        return [m.gate.balancer.load_E.clone() for m in moe]
+
+    hidden, routed = model.model(ids, cu)
+    want = chunked_token_logprobs(hidden, model.lm_head.weight, targets, 1.0, return_entropy=True)
+    want_counts = counts()
+    for m in moe:
+        m.gate.balancer.reset()
+    padded = pad_micro_batch(ids, cu, targets, None, tokens=48, sequences=len(lengths) + 3,
+                             moe_layers=len(moe), top_k=top_k)
+    assert padded.cu_seqlens.tolist() == [0, 7, 27, 30, 48, 48, 48] and padded.input_ids_T.shape == (48,)
+    assert padded.forced_experts_TLK.shape == (48, len(moe), top_k) and (padded.forced_experts_TLK == -1).all()
+    assert padded.counted_T.sum() == 30 and padded.counted_T[:30].all()
+    with static_shapes():
+        hidden_p, routed_p = model.model(padded.input_ids_T, padded.cu_seqlens, None, False,
+                                         padded.forced_experts_TLK, None, padded.counted_T)
+    got = chunked_token_logprobs(hidden_p, model.lm_head.weight, padded.target_ids_T, 1.0, return_entropy=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[:30], w, rtol=1e-10, atol=1e-10)
+    assert torch.equal(routed_p[:30], routed)
+    assert all(torch.equal(g, w) for g, w in zip(counts(), want_counts))
+    # forced experts keep their rows; the padding's rows are −1 (the router's own choice)
+    forced = pad_micro_batch(ids, cu, targets, routed, tokens=48, sequences=6, moe_layers=len(moe), top_k=top_k)
+    assert torch.equal(forced.forced_experts_TLK[:30], routed) and (forced.forced_experts_TLK[30:] == -1).all()
+    idle = pad_micro_batch(ids, cu, targets, None, tokens=48, sequences=6, moe_layers=len(moe), top_k=top_k,
+                           counted=False)
+    assert not idle.counted_T.any()
+
+
+def test_a_micro_batch_that_does_not_fit_is_refused():
+    ids = torch.zeros(10, dtype=torch.long)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_micro_batch(ids, torch.tensor([0, 5, 10]), ids, None, tokens=8, sequences=8, moe_layers=1, top_k=2)
+    with pytest.raises(ValueError, match="does not fit"):  # two sequences need four slots: theirs, padding, empty
+        pad_micro_batch(ids, torch.tensor([0, 5, 10]), ids, None, tokens=16, sequences=3, moe_layers=1, top_k=2)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(zero_stage=3), "zero_stage=2"),
+    (dict(context_parallel=2), "context or expert"),
+    (dict(expert_parallel=2), "context or expert"),
+    (dict(device=torch.device("cpu")), "CUDA device"),
+])
+def test_setups_a_graph_cannot_serve_are_refused_with_the_reason(kwargs, message):
+    setup = dict(zero_stage=2, context_parallel=1, expert_parallel=1, device=torch.device("cuda", 0)) | kwargs
+    with pytest.raises(ValueError, match=message):
+        check_supported((4096,), 64, **setup)
+    check_supported((), 64, **setup)  # no graphs asked for: nothing to refuse
+    with pytest.raises(ValueError, match="increasing"):
+        check_supported((4096, 2048), 64, zero_stage=2, context_parallel=1, expert_parallel=1,
+                        device=torch.device("cuda", 0))
+
+
+def test_the_trainer_config_takes_graph_buckets():
+    config = TrainerConfig(run_dir="/tmp/x", cuda_graph_tokens=(2048, 4096), cuda_graph_sequences=16)
+    assert config.cuda_graph_tokens == (2048, 4096) and config.cuda_graph_sequences == 16
+    assert TrainerConfig(run_dir="/tmp/x").cuda_graph_tokens == ()
