@@ -578,8 +578,9 @@ def kda(
                               use_qk_l2norm_in_kernel=F, use_gate_in_kernel=F, use_beta_sigmoid_in_kernel=F,
                               [A_log=, dt_bias=,] safe_gate=bounded, lower_bound=lower_bound if bounded else None,
                               state_v_first=False, cu_seqlens=[, use_graph=True, max_num_seqs=N])
-    (the graph-mode pair inside `static_shapes()`, for CUDA graph capture) with F = whether `gate` is given, or, for `mode="recurrent"` (and for `"auto"` with T ≤ FLA_DECODE_MAX_LEN when
-    nothing needs gradients, as fla's own KDA layer does), `fla.ops.kda.fused_recurrent_kda` with the same
+    (the graph-mode pair inside `static_shapes()`, for CUDA graph capture) with F = whether `gate` is given, or, for
+    `mode="recurrent"` (and for `"auto"` with T ≤ FLA_DECODE_MAX_LEN when nothing needs gradients, as fla's own KDA
+    layer does), `fla.ops.kda.fused_recurrent_kda` with the same
     q/k/v/g/beta/state and prologue arguments and no safe_gate. fla 0.6.0's fused recurrent kernel has no backward, so
     it is never used for inputs that need gradients.
 

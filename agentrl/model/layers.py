@@ -248,10 +248,10 @@ def short_conv(x_TC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.T
     fused = fla_op(x_TC, "fla.modules.causal_conv1d.ops") if initial_state_NCW is None else None
     if fused is not None and activation in ("silu", None) and num_tokens:
         # under capture the chunk list comes from the offsets on the GPU: fla builds its own with a host read
-        chunks = (static_shapes.conv_chunk_indices(cu_seqlens, FLA_CONV_CHUNK, num_tokens)
-                  if static_shapes.active() else None)
+        chunks = ({"chunk_indices": static_shapes.conv_chunk_indices(cu_seqlens, FLA_CONV_CHUNK, num_tokens)}
+                  if static_shapes.active() else {})
         y, _ = fused.causal_conv1d(x_TC[None], weight=weight_C1W.reshape(channels, width).to(x_TC.dtype),
-                                   activation=activation, cu_seqlens=cu_seqlens, chunk_indices=chunks)
+                                   activation=activation, cu_seqlens=cu_seqlens, **chunks)
         if not output_final_state:
             return y[0], None
         zeros = x_TC.new_zeros(num_seqs, channels, width - 1, dtype=torch.float32)
