@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
+from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.model.static_shapes import static_shapes
+from agentrl.trainer.forward import PackedPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,28 +74,16 @@ def pad_micro_batch(input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_
         forced = torch.cat([forced_experts_TLK.to(device=device, dtype=torch.long),
                             torch.full((pad, moe_layers, top_k), -1, dtype=torch.long, device=device)])
     counted_T = torch.arange(tokens, device=device) < (num_tokens if counted else 0)
+    targets = target_ids_T.to(device)
     return PaddedMicroBatch(input_ids_T=torch.cat([input_ids_T, input_ids_T.new_zeros(pad)]), cu_seqlens=offsets,
-                            target_ids_T=torch.cat([target_ids_T.to(device), target_ids_T.new_zeros(pad).to(device)]),
-                            forced_experts_TLK=forced, counted_T=counted_T, num_tokens=num_tokens)
-
-
-class _Pass(nn.Module):
-    """What one graph records: the decoder and the log-prob head at one temperature, on tensors only (a graph's
-    inputs)."""
-
-    def __init__(self, policy: HybridMoEForCausalLM, temperature: float):
-        super().__init__()
-        self.policy = policy
-        self.temperature = temperature
-
-    def forward(self, input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, counted_T):
-        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, None, counted_T)
-        return chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T, self.temperature,
-                                      return_entropy=True)
+                            target_ids_T=torch.cat([targets, targets.new_zeros(pad)]), forced_experts_TLK=forced,
+                            counted_T=counted_T, num_tokens=num_tokens)
 
 
 class RecordedPass:
-    """The forward and the backward of `_Pass` at one bucket's shapes, recorded as two CUDA graphs.
+    """The training forward (PackedPolicy's: the decoder and the log-prob head, at one temperature) and its
+    backward at one bucket's shapes, recorded as two CUDA graphs. The graph's inputs are the tensors of a
+    PaddedMicroBatch, in its field order.
 
     They are recorded over aliases of the parameters (the same storage, new leaf tensors), not the parameters
     themselves: DeepSpeed keeps each parameter's gradient-accumulation node alive to hook it, and that node belongs
@@ -109,11 +97,13 @@ class RecordedPass:
         named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         aliases = {f"policy.{n}": p.detach().requires_grad_() for n, p in named}
-        module = _Pass(policy, temperature)
+        module = PackedPolicy(policy, temperature)
         self.inputs = [a.clone() for a in args]
 
         def run():
-            return torch.func.functional_call(module, aliases, tuple(self.inputs), strict=False)
+            input_ids, cu_seqlens, targets, forced, counted = self.inputs
+            return torch.func.functional_call(module, aliases, (input_ids, cu_seqlens, targets, forced),
+                                              {"counted_T": counted}, strict=False)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -27,7 +27,8 @@ class PackedPolicy(nn.Module):
     entropy_T), fp32.
 
     `shard` (context parallelism): the tokens are this rank's slice of a micro-batch (batching.context_slice).
-    `temperature` overrides the sampling temperature given at construction for one call."""
+    `temperature` overrides the sampling temperature given at construction for one call. `counted_T`: the tokens
+    the MoE balancers count (None: all; a micro-batch padded for a CUDA graph leaves its padding out)."""
 
     def __init__(self, policy: HybridMoEForCausalLM, temperature: float = 1.0):
         super().__init__()
@@ -39,8 +40,9 @@ class PackedPolicy(nn.Module):
     def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_ids_T: torch.Tensor,
                 forced_experts_TLK: torch.Tensor | None = None,
                 shard: ContextShard | None = None,
-                temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, shard)
+                temperature: float | None = None,
+                counted_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, shard, counted_T)
         logprobs, entropy = chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T,
                                                    self.temperature if temperature is None else temperature,
                                                    return_entropy=True)
