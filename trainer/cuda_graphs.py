@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
+from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.model.static_shapes import static_shapes
+from agentrl.trainer.forward import PackedPolicy
 
 
 def check_supported(buckets: Sequence[int], max_sequences: int, *, zero_stage: int, context_parallel: int,
@@ -87,28 +87,16 @@ def pad_micro_batch(input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_
         forced = torch.cat([forced_experts_TLK.to(device=device, dtype=torch.long),
                             torch.full((pad, moe_layers, top_k), -1, dtype=torch.long, device=device)])
     counted_T = torch.arange(tokens, device=device) < (num_tokens if counted else 0)
+    targets = target_ids_T.to(device)
     return PaddedMicroBatch(input_ids_T=torch.cat([input_ids_T, input_ids_T.new_zeros(pad)]), cu_seqlens=offsets,
-                            target_ids_T=torch.cat([target_ids_T.to(device), target_ids_T.new_zeros(pad).to(device)]),
-                            forced_experts_TLK=forced, counted_T=counted_T, num_tokens=num_tokens)
-
-
-class _Pass(nn.Module):
-    """What one graph records: the decoder and the log-prob head at one temperature, on tensors only (a graph's
-    inputs)."""
-
-    def __init__(self, policy: HybridMoEForCausalLM, temperature: float):
-        super().__init__()
-        self.policy = policy
-        self.temperature = temperature
-
-    def forward(self, input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, counted_T):
-        hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, None, counted_T)
-        return chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T, self.temperature,
-                                      return_entropy=True)
+                            target_ids_T=torch.cat([targets, targets.new_zeros(pad)]), forced_experts_TLK=forced,
+                            counted_T=counted_T, num_tokens=num_tokens)
 
 
 class RecordedPass:
-    """The forward and the backward of `_Pass` at one bucket's shapes, recorded as two CUDA graphs.
+    """The training forward (PackedPolicy's: the decoder and the log-prob head, at one temperature) and its
+    backward at one bucket's shapes, recorded as two CUDA graphs. The graph's inputs are the tensors of a
+    PaddedMicroBatch, in its field order.
 
     They are recorded over aliases of the parameters (the same storage, new leaf tensors), not the parameters
     themselves: DeepSpeed keeps each parameter's gradient-accumulation node alive to hook it, and that node belongs
@@ -122,11 +110,13 @@ class RecordedPass:
         named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         aliases = {f"policy.{n}": p.detach().requires_grad_() for n, p in named}
-        module = _Pass(policy, temperature)
+        module = PackedPolicy(policy, temperature)
         self.inputs = [a.clone() for a in args]
 
         def run():
-            return torch.func.functional_call(module, aliases, tuple(self.inputs), strict=False)
+            input_ids, cu_seqlens, targets, forced, counted = self.inputs
+            return torch.func.functional_call(module, aliases, (input_ids, cu_seqlens, targets, forced),
+                                              {"counted_T": counted}, strict=False)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -150,10 +140,7 @@ class RecordedPass:
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for static, new in zip(self.inputs, args):
             static.copy_(new)
-        # one view per parameter, made in the parameters' order: autograd runs the latest-made node's backward first,
-        # so the gradients reach their accumulation hooks last parameter first, as an eager backward delivers them
-        # (DeepSpeed's buckets take them in arrival order)
-        return _Replay.apply(self, *(p.view_as(p) for p in self.params))
+        return _Replay.apply(self, *self.params)
 
 
 class _Replay(torch.autograd.Function):
@@ -199,6 +186,7 @@ class GraphedForward:
         self.max_sequences = max_sequences
         self.graphs: dict[tuple[int, float], RecordedPass] = {}
         self.replays = 0  # micro-batches served from a graph (captures included)
+        self.recordings = 0  # graphs recorded (a moved parameter or buffer records its bucket again)
         self.captured_at: tuple[int, ...] = ()  # where the parameters and buffers were when the graphs were recorded
         moe = policy.moe_layers
         self.top_k = moe[0].gate.top_k if moe else 1
@@ -229,6 +217,7 @@ class GraphedForward:
         graphed = self.graphs.get(key)
         if graphed is None:
             graphed = self.graphs[key] = self._capture(args, float(temperature))
+            self.recordings += 1
         self.replays += 1
         logprobs_T, entropy_T = graphed(*args)
         # the graph's outputs are its own buffers, rewritten by the next replay: the loss gets copies

@@ -181,15 +181,16 @@ class ExpertBalancer:
         tensors and [E] int64, kept on the device (a host read here would stall every MoE layer's forward) and
         recomputed when the bias is another tensor or has been written since."""
         if static_shapes.active():  # a captured forward replays with whatever bias is current: no cache
-            lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
-            return lo, self.num_bins / (hi - lo), torch.arange(self.num_experts, device=bias_E.device) * self.num_bins
+            return self._binning_of(bias_E)
         key = (bias_E, bias_E._version)
         cached = self._binning_cache
         if cached is None or cached[0] is not key[0] or cached[1] != key[1]:
-            lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
-            offsets_E = torch.arange(self.num_experts, device=bias_E.device) * self.num_bins
-            self._binning_cache = cached = (*key, (lo, self.num_bins / (hi - lo), offsets_E))
+            self._binning_cache = cached = (*key, self._binning_of(bias_E))
         return cached[2]
+
+    def _binning_of(self, bias_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lo, hi = margin_range(bias_E.max().double(), bias_E.min().double())
+        return lo, self.num_bins / (hi - lo), torch.arange(self.num_experts, device=bias_E.device) * self.num_bins
 
     def stats(self) -> BalancingStats | None:
         """This rank's statistics since the last update (None when it counted nothing)."""

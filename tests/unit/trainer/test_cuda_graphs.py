@@ -9,7 +9,6 @@ from agentrl.model.balancing import ExpertBalancer
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.model.static_shapes import active, conv_chunk_indices, static_shapes
-from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.cuda_graphs import check_supported, pad_micro_batch
 
 
@@ -118,7 +117,9 @@ def test_setups_a_graph_cannot_serve_are_refused_with_the_reason(kwargs, message
                         device=torch.device("cuda", 0))
 
 
-def test_the_trainer_config_takes_graph_buckets():
-    config = TrainerConfig(run_dir="/tmp/x", cuda_graph_tokens=(2048, 4096), cuda_graph_sequences=16)
-    assert config.cuda_graph_tokens == (2048, 4096) and config.cuda_graph_sequences == 16
-    assert TrainerConfig(run_dir="/tmp/x").cuda_graph_tokens == ()
+def test_the_job_config_takes_graph_buckets_from_the_command_line():
+    from agentrl.config import load_config
+
+    job, _ = load_config(None, ["trainer.cuda_graph_tokens=[2048,4096]", "trainer.cuda_graph_sequences=16"])
+    assert job.trainer.cuda_graph_tokens == (2048, 4096) and job.trainer.cuda_graph_sequences == 16
+    assert load_config(None, [])[0].trainer.cuda_graph_tokens == ()  # eager unless asked for
