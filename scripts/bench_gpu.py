@@ -633,6 +633,7 @@ class Variant:
     offsets_as_passed: bool = False  # KDA hands fla the alias ZeRO-3 passes it (before session 32: fla's cache missed)
     epilogue_host_wait: bool = False  # DeepSpeed's backward ends waiting for the GPU (before session 38)
     fetch_host_wait: bool = False  # ZeRO-3's fetches of unsharded parameters wait for the GPU (before session 38)
+    cuda_graphs: bool = False  # micro-batches replayed from a CUDA graph of the micro-batch budget (session 39)
 
 
 TRAINER_VARIANTS = {
@@ -657,6 +658,7 @@ TRAINER_VARIANTS = {
     "zero3, each fetch waits on the host": Variant(3, fetch_host_wait=True),
     "zero3, DeepSpeed's waits (fetches, the backward's end)": Variant(3, epilogue_host_wait=True,
                                                                      fetch_host_wait=True),
+    "zero2, micro-batches replayed from CUDA graphs": Variant(2, cuda_graphs=True),
 }
 
 
@@ -709,7 +711,8 @@ def _deepspeed_trainer(what: str, model, tokens: int, run_dir: str):
         zero._unsharded_fetches_without_a_host_wait = lambda optimizer: None
     try:
         trainer = PolicyTrainer(TrainerConfig(run_dir=run_dir, zero_stage=variant.stage, dtype="bf16", lr=1e-6,
-                                              micro_batch_tokens=tokens), model)
+                                              micro_batch_tokens=tokens,
+                                              cuda_graph_tokens=(tokens,) if variant.cuda_graphs else ()), model)
     finally:
         zero.engine_config = engine_config
         zero._epilogue_without_a_host_wait, zero._unsharded_fetches_without_a_host_wait = epilogue, fetches

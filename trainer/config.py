@@ -38,6 +38,12 @@ class TrainerConfig:
         context_parallel: ranks each micro-batch's tokens are split over, in sequence order (1: none), so that one
             trajectory may be longer than a rank holds (agentrl/model/context_parallel.py). Groups of consecutive
             ranks; data parallelism runs across the groups, ZeRO over all ranks; micro_batch_tokens is per rank.
+        cuda_graph_tokens: token counts (increasing) of the CUDA graphs a short micro-batch's forward and backward
+            replay from (empty: none). A micro-batch is padded to the smallest that holds it; each keeps an eager
+            step's activations of its size for the trainer's life (trainer/cuda_graphs.py). ZeRO-2, CUDA, no
+            context or expert parallelism.
+        cuda_graph_sequences: the sequences a graph's offsets hold; a micro-batch of more than this minus two runs
+            eagerly.
     """
 
     run_dir: str
@@ -62,6 +68,8 @@ class TrainerConfig:
     dist_timeout_s: float = 600.0
     expert_parallel: int = 1
     context_parallel: int = 1
+    cuda_graph_tokens: tuple[int, ...] = ()
+    cuda_graph_sequences: int = 64
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (2, 3):

@@ -5,26 +5,19 @@ for the `small` preset's 4K forward and backward, ~75 µs each through fla's Pyt
 of GPU work (docs/benchmarks.md, "The short step by part"). Recorded once per size, the forward and the backward
 each become one graph launch.
 
-How: `GraphedForward` runs a policy's training forward (the decoder and the log-prob head, as PackedPolicy). A
-micro-batch of T tokens and N sequences goes to the smallest bucket of B ≥ T tokens; `pad_micro_batch` pads its
-tokens to B with one padding sequence and its offsets to a fixed count with empty sequences (the shapes every launch
-depends on; agentrl/model/static_shapes.py). The first micro-batch of a bucket records it (`RecordedPass`: eager
-warm-up passes, which also run Triton's autotuning, then the capture); later ones copy their tokens into the
-graph's inputs and replay. The log-probs and entropies of the padding are cut off, so a loss sees the eager
-forward's tokens, and the MoE balancers leave the padding out (`counted_T`). What the warm-up passes counted is
-taken back out.
+How: `GraphedForward` serves a PackedPolicy's training calls. A micro-batch of T tokens and N sequences goes to the
+smallest bucket of B ≥ T tokens; `pad_micro_batch` pads its tokens to B with one padding sequence and its offsets
+to a fixed count with empty sequences (the shapes every launch depends on; agentrl/model/static_shapes.py). The
+first micro-batch of a bucket records it (`RecordedPass`: eager warm-up passes, which also run Triton's
+autotuning, then the capture); later ones copy their tokens into the graph's inputs and replay. The
+log-probs and entropies of the padding are cut off, so the loss sees the eager forward's tokens, and the MoE
+balancers leave the padding out (`counted_T`). What the warm-up passes counted is taken back out.
 
-What it needs: the parameters stay where the capture found them (checked at each call: a moved tensor means a new
-recording), no collectives inside the model (context and expert parallelism), CUDA. Gradient checkpointing is off
-inside the graph: a bucket's graph keeps its activations in its own memory pool, as much as an eager pass of B
-tokens without checkpointing, for as long as the GraphedForward lives; the buckets are for short micro-batches,
-where that memory is small and the host is the bound.
-
-The trainer does not use it yet. On one H100, PolicyTrainer with its micro-batches served from here ran the
-`small` ZeRO-2 step at 4K in 38 ms against 135 ms eager, but the gradient DeepSpeed accumulated over the step's
-micro-batches (overlap_comm on, CUDA) was not the eager step's, while one pass alone here matches the eager pass on
-the padded batch exactly (docs/benchmarks.md, "The short step from CUDA graphs"). Until that is understood it
-serves benchmarks and tests only.
+What it needs, checked by `check_supported`: the parameters stay where the capture found them (ZeRO-1/2 update them
+in place; ZeRO-3 frees and re-gathers them, through module hooks a graph would skip), no collectives inside the
+model (context and expert parallelism), CUDA. Gradient checkpointing is off inside the graph: a bucket's graph keeps
+its activations in its own memory pool, as much as an eager step of B tokens without checkpointing, for the life of
+the trainer; the buckets are for short micro-batches, where that memory is small and the host is the bound.
 """
 
 from __future__ import annotations
@@ -38,6 +31,26 @@ import torch
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.model.static_shapes import static_shapes
 from agentrl.trainer.forward import PackedPolicy
+
+
+def check_supported(buckets: Sequence[int], max_sequences: int, *, zero_stage: int, context_parallel: int,
+                    expert_parallel: int, device: torch.device) -> None:
+    """Raises ValueError when the trainer's setup rules CUDA graphs out (see the module docstring)."""
+    if not buckets:
+        return
+    if any(b < 2 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"trainer.cuda_graph_tokens must be increasing token counts >= 2, got {list(buckets)}")
+    if max_sequences < 1:
+        raise ValueError(f"trainer.cuda_graph_sequences must be >= 1, got {max_sequences}")
+    if device.type != "cuda":
+        raise ValueError("trainer.cuda_graph_tokens needs a CUDA device; this trainer runs on "
+                         f"{device.type}: leave it empty")
+    if zero_stage == 3:
+        raise ValueError("trainer.cuda_graph_tokens needs zero_stage=2: ZeRO-3 frees each parameter after use and "
+                         "gathers it again through module hooks, which a graph replay skips")
+    if context_parallel > 1 or expert_parallel > 1:
+        raise ValueError("trainer.cuda_graph_tokens with context or expert parallelism: their collectives run "
+                         "inside the model, and a graph would replay them without their host-side bookkeeping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +170,14 @@ class GraphedForward:
     fits a bucket; None from `__call__` when it does not (the caller runs it eagerly).
 
     Args:
-        policy: the model, on its CUDA device, with its parameters where they will stay.
+        policy: the model the trainer optimises, on its CUDA device, with its final parameters (after DeepSpeed has
+            placed them).
         buckets: increasing token counts; a micro-batch goes to the smallest that holds it.
         max_sequences: the sequences of a bucket's offsets (a micro-batch may hold two fewer).
 
     The parameters' gradients arrive from the graph's own buffers: autograd may make a buffer a parameter's `.grad`,
-    which the next replay rewrites. A caller consumes or moves each gradient before the next call (zeroing with
-    `set_to_none`, as the tests and benchmarks do); accumulating `.grad` over several calls would not add up.
+    which the next replay rewrites. DeepSpeed's ZeRO-1/2 hooks copy each gradient into their buckets as it arrives,
+    which is what the trainer relies on; a plain optimizer accumulating `.grad` over micro-batches would not.
     """
 
     def __init__(self, policy: HybridMoEForCausalLM, buckets: Sequence[int], max_sequences: int):
@@ -172,6 +186,7 @@ class GraphedForward:
         self.max_sequences = max_sequences
         self.graphs: dict[tuple[int, float], RecordedPass] = {}
         self.replays = 0  # micro-batches served from a graph (captures included)
+        self.recordings = 0  # graphs recorded (a moved parameter or buffer records its bucket again)
         self.captured_at: tuple[int, ...] = ()  # where the parameters and buffers were when the graphs were recorded
         moe = policy.moe_layers
         self.top_k = moe[0].gate.top_k if moe else 1
@@ -202,6 +217,7 @@ class GraphedForward:
         graphed = self.graphs.get(key)
         if graphed is None:
             graphed = self.graphs[key] = self._capture(args, float(temperature))
+            self.recordings += 1
         self.replays += 1
         logprobs_T, entropy_T = graphed(*args)
         # the graph's outputs are its own buffers, rewritten by the next replay: the loss gets copies

@@ -12,6 +12,7 @@ Nothing here imports DeepSpeed: unit tests run the same code on a plain model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from agentrl.model.context_parallel import ContextShard
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.trainer.batching import MicroBatch, to_device
 from agentrl.trainer.losses import LossConfig, LossOutput, policy_loss
+
+if TYPE_CHECKING:  # cuda_graphs records PackedPolicy's forward
+    from agentrl.trainer.cuda_graphs import GraphedForward
 
 
 class PackedPolicy(nn.Module):
@@ -36,17 +40,21 @@ class PackedPolicy(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.policy = policy
         self.temperature = temperature
+        self.graphs: GraphedForward | None = None  # set by a trainer that replays short micro-batches from graphs
 
     def forward(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_ids_T: torch.Tensor,
                 forced_experts_TLK: torch.Tensor | None = None,
                 shard: ContextShard | None = None,
                 temperature: float | None = None,
                 counted_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature = self.temperature if temperature is None else temperature
+        if self.graphs is not None and shard is None and self.training and torch.is_grad_enabled():
+            replayed = self.graphs(input_ids_T, cu_seqlens, target_ids_T, forced_experts_TLK, temperature)
+            if replayed is not None:
+                return replayed
         hidden_TD, _ = self.policy.model(input_ids_T, cu_seqlens, None, False, forced_experts_TLK, shard, counted_T)
-        logprobs, entropy = chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T,
-                                                   self.temperature if temperature is None else temperature,
-                                                   return_entropy=True)
-        return logprobs, entropy
+        return chunked_token_logprobs(hidden_TD, self.policy.lm_head.weight, target_ids_T, temperature,
+                                      return_entropy=True)
 
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -49,6 +49,7 @@ from agentrl.net import free_port
 from agentrl.trainer import zero
 from agentrl.trainer.batching import MicroBatch, context_slice, mini_batch_indices, pack, plan_step
 from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.cuda_graphs import GraphedForward, check_supported
 from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages, read_sums
@@ -117,6 +118,8 @@ class PolicyTrainer:
         if self.ep_size > 1:
             self._shard_experts()
         self.module = PackedPolicy(self.policy, config.temperature)
+        check_supported(config.cuda_graph_tokens, config.cuda_graph_sequences, zero_stage=config.zero_stage,
+                        context_parallel=self.cp_size, expert_parallel=self.ep_size, device=self.device)
         if config.zero_stage == 3:
             zero.prepare_zero3(self.module, self.policy)
         decay = [p for n, p in self.module.named_parameters() if p.ndim >= 2 and "_res_proj" not in n]
@@ -133,6 +136,8 @@ class PolicyTrainer:
         ds_config = zero.engine_config(zero_stage=config.zero_stage, bf16=bf16, grad_clip=config.grad_clip,
                                        zero3_param_persistence_threshold=config.zero3_param_persistence_threshold)
         self.engine = zero.initialize(self.module, self.optimizer, ds_config, scheduler)
+        if config.cuda_graph_tokens:  # after DeepSpeed has placed the parameters: the graphs read them there
+            self.module.graphs = GraphedForward(self.policy, config.cuda_graph_tokens, config.cuda_graph_sequences)
         self.global_step = 0
         self.version = 0  # policy version: training steps (batches) taken since the initial weights
         self._buckets: BucketRing | None = None  # rank 0's weight-sync buffers, kept from one sync to the next
@@ -412,10 +417,12 @@ class PolicyTrainer:
         return state
 
     def close(self) -> None:
-        """Leaves the process group (the engine is unusable afterwards) and frees the weight-sync buffers."""
+        """Leaves the process group (the engine is unusable afterwards) and frees the weight-sync buffers and the
+        CUDA graphs (each holds its bucket's activations)."""
         if self._buckets is not None:
             self._buckets.close()
             self._buckets = None
+        self.module.graphs = None
         zero.destroy_process_group()
 
     # --- internals ------------------------------------------------------------------------------------------------

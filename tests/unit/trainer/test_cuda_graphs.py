@@ -1,6 +1,6 @@
 """The CPU-checkable parts of replaying short micro-batches from CUDA graphs (trainer/cuda_graphs.py): the fixed-size
-chunk list, the padding and what the model makes of it, and the balancers' token mask. The capture and replay
-themselves: tests/gpu/test_cuda_graphs.py."""
+chunk list, the padding and what the model makes of it, the balancers' token mask, and the setups it refuses. The
+capture and replay themselves: tests/gpu/test_cuda_graphs.py."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from agentrl.model.balancing import ExpertBalancer
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.model.static_shapes import active, conv_chunk_indices, static_shapes
-from agentrl.trainer.cuda_graphs import pad_micro_batch
+from agentrl.trainer.cuda_graphs import check_supported, pad_micro_batch
 
 
 def _chunks_by_loop(lengths: list[int], chunk: int) -> list[tuple[int, int]]:
@@ -99,3 +99,27 @@ def test_a_micro_batch_that_does_not_fit_is_refused():
         pad_micro_batch(ids, torch.tensor([0, 5, 10]), ids, None, tokens=8, sequences=8, moe_layers=1, top_k=2)
     with pytest.raises(ValueError, match="does not fit"):  # two sequences need four slots: theirs, padding, empty
         pad_micro_batch(ids, torch.tensor([0, 5, 10]), ids, None, tokens=16, sequences=3, moe_layers=1, top_k=2)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(zero_stage=3), "zero_stage=2"),
+    (dict(context_parallel=2), "context or expert"),
+    (dict(expert_parallel=2), "context or expert"),
+    (dict(device=torch.device("cpu")), "CUDA device"),
+])
+def test_setups_a_graph_cannot_serve_are_refused_with_the_reason(kwargs, message):
+    setup = dict(zero_stage=2, context_parallel=1, expert_parallel=1, device=torch.device("cuda", 0)) | kwargs
+    with pytest.raises(ValueError, match=message):
+        check_supported((4096,), 64, **setup)
+    check_supported((), 64, **setup)  # no graphs asked for: nothing to refuse
+    with pytest.raises(ValueError, match="increasing"):
+        check_supported((4096, 2048), 64, zero_stage=2, context_parallel=1, expert_parallel=1,
+                        device=torch.device("cuda", 0))
+
+
+def test_the_job_config_takes_graph_buckets_from_the_command_line():
+    from agentrl.config import load_config
+
+    job, _ = load_config(None, ["trainer.cuda_graph_tokens=[2048,4096]", "trainer.cuda_graph_sequences=16"])
+    assert job.trainer.cuda_graph_tokens == (2048, 4096) and job.trainer.cuda_graph_sequences == 16
+    assert load_config(None, [])[0].trainer.cuda_graph_tokens == ()  # eager unless asked for
