@@ -39,9 +39,10 @@ class TrainerConfig:
             trajectory may be longer than a rank holds (agentrl/model/context_parallel.py). Groups of consecutive
             ranks; data parallelism runs across the groups, ZeRO over all ranks; micro_batch_tokens is per rank.
         cuda_graph_tokens: token counts (increasing) of the CUDA graphs a short micro-batch's forward and backward
-            replay from (empty: none). A micro-batch is padded to the smallest that holds it; each keeps an eager
-            step's activations of its size for the trainer's life (trainer/cuda_graphs.py). ZeRO-2, CUDA, no
-            context or expert parallelism.
+            replay from (empty: none). A micro-batch is padded to the smallest that holds it, a longer one runs
+            eagerly. Each size, per temperature a step trains at (an SFT step's 1.0 records its own), keeps an
+            un-checkpointed pass's activations of its size for the trainer's life (trainer/cuda_graphs.py).
+            ZeRO-2, CUDA, no context or expert parallelism.
         cuda_graph_sequences: the sequences a graph's offsets hold; a micro-batch of more than this minus two runs
             eagerly.
     """

@@ -93,6 +93,35 @@ def test_padding_leaves_each_real_tokens_log_prob_and_the_balancers_counts_as_wi
     assert not idle.counted_T.any()
 
 
+def test_padding_leaves_the_gradient_of_a_loss_with_advantages_of_both_signs_as_without_it():
+    """The backward too is exact in arithmetic (fp64): a graphed step's gradient differs from the eager one only by
+    rounding, which a GRPO gradient's cancellation magnifies in bf16 (docs/benchmarks.md, session 40)."""
+    from agentrl.trainer.forward import PackedPolicy
+
+    torch.manual_seed(0)
+    model = HybridMoEForCausalLM(preset_config("tiny")).double().train()
+    policy = PackedPolicy(model)
+    cu = torch.tensor([0, 7, 27, 30])
+    ids, targets = torch.randint(0, model.config.vocab_size, (2, 30))
+    advantages = torch.tensor([1.0] * 7 + [-1.0] * 20 + [0.5] * 3, dtype=torch.float64)
+
+    def gradient(logp, entropy):
+        model.zero_grad(set_to_none=True)
+        ((advantages * logp).sum() + 0.01 * entropy.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = gradient(*policy(ids, cu, targets))
+    padded = pad_micro_batch(ids, cu, targets, None, tokens=48, sequences=6, moe_layers=len(model.moe_layers),
+                             top_k=model.moe_layers[0].gate.top_k)
+    with static_shapes():
+        logp, entropy = policy(padded.input_ids_T, padded.cu_seqlens, padded.target_ids_T, padded.forced_experts_TLK,
+                               counted_T=padded.counted_T)
+    got = gradient(logp[:30], entropy[:30])
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_a_micro_batch_that_does_not_fit_is_refused():
     ids = torch.zeros(10, dtype=torch.long)
     with pytest.raises(ValueError, match="does not fit"):
