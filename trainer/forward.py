@@ -32,7 +32,9 @@ class PackedPolicy(nn.Module):
 
     `shard` (context parallelism): the tokens are this rank's slice of a micro-batch (batching.context_slice).
     `temperature` overrides the sampling temperature given at construction for one call. `counted_T`: the tokens
-    the MoE balancers count (None: all; a micro-batch padded for a CUDA graph leaves its padding out)."""
+    the MoE balancers count (None: all; a micro-batch padded for a CUDA graph leaves its padding out). `graphs`, set
+    by a trainer with `cuda_graph_tokens`, serves training calls that fit one of its sizes from CUDA graphs
+    (trainer/cuda_graphs.py); others, and every call in eval mode or without gradients, run eagerly here."""
 
     def __init__(self, policy: HybridMoEForCausalLM, temperature: float = 1.0):
         super().__init__()
