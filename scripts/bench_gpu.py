@@ -759,13 +759,16 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
     batch = _trainer_batch(bare_model.config.vocab_size, tokens)
     _, bare = bare_step(bare_model, batch, tokens, device="cuda")
     adam = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, fused=True)
+    bare()
+    bare(adam)  # its first step makes AdamW's states: before the trainer's memory is counted
     with tempfile.TemporaryDirectory() as run_dir:
+        before = _memory_held_gib()
         # `small` from its config, as the job builds it (fp32 on the host first); a real width straight on the GPU
         trainer = _deepspeed_trainer(what, bare_model.config if model == "small" else real_width_model(model),
                                      tokens, run_dir)
         steps = (bare, lambda: bare(adam), lambda: trainer.step(batch))
-        for step in steps:
-            step()
+        steps[2]()  # its warm-up: the optimizer's states, and a CUDA graph where the variant records one
+        held = _memory_held_gib() - before
         times: list[list[float]] = [[], [], []]
         for _ in range(rounds):
             for step, seconds in zip(steps, times):
@@ -774,7 +777,15 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
             name = what.replace(", ", "_").replace(" ", "-")
             _profile_trainer_step(trainer, batch, os.path.join(profile_dir, f"trainer_{model}_{name}_{tokens}.txt"))
         trainer.close()
-    results.put((what, *times))
+    results.put((what, *times, held))
+
+
+def _memory_held_gib() -> float:
+    """GiB of GPU memory this process holds beyond the caching allocator's free blocks, which are released first (a
+    CUDA graph's private pool is not: it stays held while the graph lives)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() / 2**30
 
 
 def _result_or_death(proc, results, timeout_s: float):
@@ -803,7 +814,8 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
     `variants`, TRAINER_VARIANTS keys; [] for all) runs in `processes` processes of its own, each timing the bare
     step and the DeepSpeed step in turn for `rounds` rounds: the ratio is taken per round, so a process that runs
     slow (this host's medians moved ±15% from one process to the next) is slow for both. Reported: medians over all
-    rounds, the ratio's median and range. With `profile_dir`, each ZeRO stage's step is also profiled once (tables
+    rounds, the ratio's median and range, and the GPU memory the trainer holds after its first step (weights,
+    optimizer states, gradient buffers, CUDA graphs; the most of any process). With `profile_dir`, each ZeRO stage's step is also profiled once (tables
     written there). `stages`: which of the two ZeRO stages to time."""
     import torch.multiprocessing as mp
 
@@ -814,7 +826,7 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
     rows = []
     for model, tokens in ((m, t) for m in (models or ["small"]) for t in tokens_list):
         for what in names:
-            bare, adam, deep = [], [], []
+            bare, adam, deep, held = [], [], [], []
             for p in range(processes):
                 results = ctx.Queue()
                 proc = ctx.Process(target=_trainer_rank, args=(what, tokens, rounds, free_port(), results,
@@ -826,25 +838,26 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
                 if got is None:  # out of memory, or killed: its traceback is above
                     print(model, tokens, what, f"process {p}: died (exit code {proc.exitcode})", flush=True)
                     break
-                _, b, a, d = got
+                _, b, a, d, gib = got
                 bare += b
                 adam += a
                 deep += d
+                held.append(gib)
                 print(model, tokens, what, f"process {p}: bare {statistics.median(b) * 1e3:.0f} ms, "
                       f"{what} {statistics.median(d) * 1e3:.0f} ms", flush=True)
             if not deep:
-                rows.append([model, f"{tokens:,}", what, "", "", "died", "", "", ""])
+                rows.append([model, f"{tokens:,}", what, "", "", "died", "", "", "", ""])
                 continue
             ratios = sorted(b / d for b, d in zip(bare, deep))
             rows.append([model, f"{tokens:,}", what, f"{statistics.median(bare) * 1e3:.0f}",
                          f"{statistics.median(adam) * 1e3:.0f}", f"{statistics.median(deep) * 1e3:.0f}",
                          f"{tokens / statistics.median(deep) / 1e3:.1f}K", f"{statistics.median(ratios):.2f}×",
-                         f"{ratios[0]:.2f}–{ratios[-1]:.2f}"])
+                         f"{ratios[0]:.2f}–{ratios[-1]:.2f}", f"{max(held):.1f}"])
             print("row:", " | ".join(rows[-1]), flush=True)  # whole rows as they come: a cut run keeps them
     print(f"\n### DeepSpeed around the step on one {torch.cuda.get_device_name()}: bf16, ms per step; "
           f"{processes} processes × {rounds} rounds of (bare, bare + fused AdamW, DeepSpeed) per row\n")
     print(table(["model", "tokens", "DeepSpeed step", "bare fwd+bwd", "bare + fused AdamW", "DeepSpeed", "tokens/s",
-                 "bare / DeepSpeed (median)", "range over rounds"], rows))
+                 "bare / DeepSpeed (median)", "range over rounds", "GPU GiB the trainer holds"], rows))
     print(flush=True)
 
 
