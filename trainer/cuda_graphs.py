@@ -11,7 +11,10 @@ to a fixed count with empty sequences (the shapes every launch depends on; agent
 first micro-batch of a bucket records it (`RecordedPass`: eager warm-up passes, which also run Triton's
 autotuning, then the capture); later ones copy their tokens into the graph's inputs and replay. The
 log-probs and entropies of the padding are cut off, so the loss sees the eager forward's tokens, and the MoE
-balancers leave the padding out (`counted_T`). What the warm-up passes counted is taken back out.
+balancers leave the padding out (`counted_T`). What the warm-up passes counted is taken back out. A replay gives
+the eager pass's gradient on the padded micro-batch; against the unpadded eager pass it differs by bf16 rounding
+only (padding changes the GEMM shapes), which a GRPO gradient's cancellation can magnify to tens of percent of its
+norm: compare with the same padding, or in fp64 (docs/benchmarks.md, "The 4K trainer step from CUDA graphs").
 
 What it needs, checked by `check_supported`: the parameters stay where the capture found them (ZeRO-1/2 update them
 in place; ZeRO-3 frees and re-gathers them, through module hooks a graph would skip), no collectives inside the
