@@ -750,7 +750,7 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
     process group behind): after a warm-up of each, `rounds` rounds of (bare step, bare + fused AdamW step,
     DeepSpeed step), so that what drifts within a process (the host's load, clocks) hits all three alike; the two
     bare steps share one model. `model`: `small` or a REAL_WIDTHS name. Puts (what, [bare s], [bare+adam s],
-    [deepspeed s])."""
+    [deepspeed s], GiB the trainer holds after its first step)."""
     import tempfile
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -769,6 +769,8 @@ def _trainer_rank(what: str, tokens: int, rounds: int, port: int, results, profi
         steps = (bare, lambda: bare(adam), lambda: trainer.step(batch))
         steps[2]()  # its warm-up: the optimizer's states, and a CUDA graph where the variant records one
         held = _memory_held_gib() - before
+        for step in steps:  # again: reading the memory released the allocator's cached blocks
+            step()
         times: list[list[float]] = [[], [], []]
         for _ in range(rounds):
             for step, seconds in zip(steps, times):
@@ -815,8 +817,8 @@ def bench_trainer(tokens_list=(4096, 32768), rounds: int = 7, processes: int = 2
     step and the DeepSpeed step in turn for `rounds` rounds: the ratio is taken per round, so a process that runs
     slow (this host's medians moved ±15% from one process to the next) is slow for both. Reported: medians over all
     rounds, the ratio's median and range, and the GPU memory the trainer holds after its first step (weights,
-    optimizer states, gradient buffers, CUDA graphs; the most of any process). With `profile_dir`, each ZeRO stage's step is also profiled once (tables
-    written there). `stages`: which of the two ZeRO stages to time."""
+    optimizer states, gradient buffers, CUDA graphs; the most of any process). With `profile_dir`, each ZeRO stage's
+    step is also profiled once (tables written there). `stages`: which of the two ZeRO stages to time."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -943,7 +945,7 @@ def bench_profile(tokens_list, models: list[str] | None, out: str | None) -> Non
 
 def _components(model, tokens: int):
     """(name, layers of that kind in the model, fwd+bwd of one of them on `tokens` packed tokens) for each part of
-    a decoder step, and the whole step last."""
+    a decoder step, then the whole step, eager and replayed from a CUDA graph."""
     from agentrl.model.modeling import chunked_token_logprobs
 
     config, layers = model.config, list(model.model.layers)

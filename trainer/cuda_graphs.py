@@ -3,7 +3,7 @@
 Why: a micro-batch of a few thousand tokens leaves the GPU idle most of its step. The host launches ~1,900 kernels
 for the `small` preset's 4K forward and backward, ~75 µs each through fla's Python wrappers and autograd, for ~24 ms
 of GPU work (docs/benchmarks.md, "The short step by part"). Recorded once per size, the forward and the backward
-each become one graph launch.
+each become one graph launch (one pair per size and temperature).
 
 How: `GraphedForward` serves a PackedPolicy's training calls. A micro-batch of T tokens and N sequences goes to the
 smallest bucket of B ≥ T tokens; `pad_micro_batch` pads its tokens to B with one padding sequence and its offsets
@@ -26,14 +26,21 @@ the trainer; the buckets are for short micro-batches, where that memory is small
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.model.static_shapes import static_shapes
 from agentrl.trainer.forward import PackedPolicy
+
+if TYPE_CHECKING:
+    from agentrl.trainer.batching import MicroBatch
+
+SPARE_SEQUENCES = 2  # a graph's offsets keep room for the padding sequence and an empty one that closes them
 
 
 def check_supported(buckets: Sequence[int], max_sequences: int, *, zero_stage: int, context_parallel: int,
@@ -43,8 +50,9 @@ def check_supported(buckets: Sequence[int], max_sequences: int, *, zero_stage: i
         return
     if any(b < 2 for b in buckets) or list(buckets) != sorted(set(buckets)):
         raise ValueError(f"trainer.cuda_graph_tokens must be increasing token counts >= 2, got {list(buckets)}")
-    if max_sequences < 1:
-        raise ValueError(f"trainer.cuda_graph_sequences must be >= 1, got {max_sequences}")
+    if max_sequences <= SPARE_SEQUENCES:
+        raise ValueError(f"trainer.cuda_graph_sequences must be > {SPARE_SEQUENCES} (that many are kept for "
+                         f"padding), got {max_sequences}")
     if device.type != "cuda":
         raise ValueError("trainer.cuda_graph_tokens needs a CUDA device; this trainer runs on "
                          f"{device.type}: leave it empty")
@@ -77,9 +85,9 @@ def pad_micro_batch(input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_
     rows outside all sequences undefined), and at least one empty sequence closes the offsets (static_shapes.py).
     `counted`: whether the balancers count the micro-batch's tokens (False for a rank's padding micro-batch)."""
     num_tokens, num_seqs = input_ids_T.numel(), cu_seqlens.numel() - 1
-    if num_tokens > tokens or num_seqs + 2 > sequences:
+    if num_tokens > tokens or num_seqs + SPARE_SEQUENCES > sequences:
         raise ValueError(f"a micro-batch of {num_tokens} tokens in {num_seqs} sequences does not fit a graph of "
-                         f"{tokens} tokens and {sequences} sequences (two are kept for padding)")
+                         f"{tokens} tokens and {sequences} sequences ({SPARE_SEQUENCES} are kept for padding)")
     device = input_ids_T.device
     pad = tokens - num_tokens
     offsets = torch.cat([cu_seqlens.to(device=device, dtype=torch.long),
@@ -176,7 +184,12 @@ class GraphedForward:
         policy: the model the trainer optimises, on its CUDA device, with its final parameters (after DeepSpeed has
             placed them).
         buckets: increasing token counts; a micro-batch goes to the smallest that holds it.
-        max_sequences: the sequences of a bucket's offsets (a micro-batch may hold two fewer).
+        max_sequences: the sequences of a bucket's offsets (a micro-batch may hold SPARE_SEQUENCES fewer).
+
+    Under data parallelism the ranks of one gradient reduction must take the same path for a micro-batch: DeepSpeed's
+    ZeRO-2 buckets fill in the order the gradients arrive, and a replay hands autograd every gradient at once, which
+    reach the hooks in another order than an eager backward's. `replayable` says where every rank's micro-batch fits,
+    and calls inside `allowing(False)` run eagerly.
 
     The parameters' gradients arrive from the graph's own buffers: autograd may make a buffer a parameter's `.grad`,
     which the next replay rewrites. DeepSpeed's ZeRO-1/2 hooks copy each gradient into their buckets as it arrives,
@@ -191,19 +204,35 @@ class GraphedForward:
         self.replays = 0  # micro-batches served from a graph (captures included)
         self.recordings = 0  # graphs recorded (a moved parameter or buffer records its bucket again)
         self.captured_at: tuple[int, ...] = ()  # where the parameters and buffers were when the graphs were recorded
+        self.allowed = True  # False inside allowing(False): every call runs eagerly
         moe = policy.moe_layers
         self.top_k = moe[0].gate.top_k if moe else 1
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_tokens)
-        if i == len(self.buckets) or num_seqs + 2 > self.max_sequences:
+        if i == len(self.buckets) or num_seqs + SPARE_SEQUENCES > self.max_sequences:
             return None
         return self.buckets[i]
+
+    def replayable(self, per_rank: Sequence[Sequence[MicroBatch]]) -> list[bool]:
+        """Per position in a step's micro-batch lists (one list per data-parallel rank, all of one length), whether
+        every rank's micro-batch there fits a bucket."""
+        return [all(self.bucket_for(m.num_tokens, m.num_sequences) is not None for m in position)
+                for position in zip(*per_rank, strict=True)]
+
+    @contextlib.contextmanager
+    def allowing(self, allowed: bool) -> Iterator[None]:
+        """Within the block, calls replay only if `allowed` (and the micro-batch fits); eagerly otherwise."""
+        was, self.allowed = self.allowed, allowed
+        try:
+            yield
+        finally:
+            self.allowed = was
 
     def __call__(self, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor, target_ids_T: torch.Tensor,
                  forced_experts_TLK: torch.Tensor | None, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        tokens = self.bucket_for(input_ids_T.numel(), cu_seqlens.numel() - 1)
+        tokens = self.bucket_for(input_ids_T.numel(), cu_seqlens.numel() - 1) if self.allowed else None
         if tokens is None:
             return None
         moe = self.policy.moe_layers

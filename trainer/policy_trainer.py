@@ -30,6 +30,7 @@ sharded.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -47,7 +48,7 @@ from agentrl.model.expert_parallel import (
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.net import free_port
 from agentrl.trainer import zero
-from agentrl.trainer.batching import MicroBatch, context_slice, mini_batch_indices, pack, plan_step
+from agentrl.trainer.batching import MicroBatch, StepPlan, context_slice, mini_batch_indices, pack, plan_step
 from agentrl.trainer.config import TrainerConfig
 from agentrl.trainer.cuda_graphs import GraphedForward, check_supported
 from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
@@ -175,9 +176,9 @@ class PolicyTrainer:
         sums: Counter[str] = Counter()
         grad_norms, loads = [], {}
         skipped_before = self.engine.skipped_steps  # DeepSpeed skips a step whose gradient norm is not finite
-        for micros in mine:
-            for micro in micros:
-                with self.policy.balancers_observing(not micro.is_padding):
+        for plan, micros in zip(plans, mine):
+            for micro, replay in zip(micros, self._replayable(plan), strict=True):
+                with self.policy.balancers_observing(not micro.is_padding), self._graphs_allowing(replay):
                     out = micro_batch_loss(self.engine, micro, loss_cfg, reference=self.reference,
                                            device=self.device)
                 with self.policy.balancers_observing(False):  # checkpointing's recomputation: seen in the forward
@@ -215,6 +216,19 @@ class PolicyTrainer:
         if self.ep_size > 1:
             metrics.update(self._expert_parallel_metrics(totals))
         return metrics
+
+    def _replayable(self, plan: StepPlan) -> list[bool]:
+        """Per micro-batch of this rank, whether it may replay from a CUDA graph: where every data-parallel rank's
+        micro-batch at its position fits one, so that the ranks reducing its gradients take the same path
+        (cuda_graphs.GraphedForward)."""
+        graphs = self.module.graphs
+        if graphs is None:
+            return [False] * len(plan.per_rank[self.dp_rank])
+        return graphs.replayable(plan.per_rank)
+
+    def _graphs_allowing(self, replay: bool):
+        graphs = self.module.graphs
+        return contextlib.nullcontext() if graphs is None else graphs.allowing(replay)
 
     def _my_part(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """This rank's micro-batches: its data-parallel group's, and under context parallelism its slice of each."""

@@ -45,10 +45,11 @@ def test_a_balancer_leaves_out_the_tokens_it_is_told_not_to_count():
     subset.observe(scores[counted], bias, topk[counted])
     assert torch.equal(masked.load_E, subset.load_E) and torch.equal(masked.hist_EB, subset.hist_EB)
     assert masked.load_E.sum() == 2 * int(counted.sum())
-    with static_shapes():  # the range recomputed from the bias, not cached: the same bins
+    with static_shapes():  # the range recomputed from the bias and not kept (a replay could not refresh it)
         uncached = ExpertBalancer(num_experts=8, top_k=2, num_bins=64)
         uncached.observe(scores, bias, topk, counted)
     assert torch.equal(uncached.hist_EB, masked.hist_EB)
+    assert uncached._binning_cache is None and masked._binning_cache is not None
     nothing = ExpertBalancer(num_experts=8, top_k=2, num_bins=64)
     nothing.observe(scores, bias, topk, torch.zeros(40, dtype=torch.bool))
     assert nothing.load_E.sum() == 0 and nothing.stats() is None
@@ -141,9 +142,40 @@ def test_setups_a_graph_cannot_serve_are_refused_with_the_reason(kwargs, message
     with pytest.raises(ValueError, match=message):
         check_supported((4096,), 64, **setup)
     check_supported((), 64, **setup)  # no graphs asked for: nothing to refuse
+    supported = dict(zero_stage=2, context_parallel=1, expert_parallel=1, device=torch.device("cuda", 0))
     with pytest.raises(ValueError, match="increasing"):
-        check_supported((4096, 2048), 64, zero_stage=2, context_parallel=1, expert_parallel=1,
-                        device=torch.device("cuda", 0))
+        check_supported((4096, 2048), 64, **supported)
+    with pytest.raises(ValueError, match="cuda_graph_sequences must be > 2"):  # no micro-batch would ever fit
+        check_supported((4096,), 2, **supported)
+    check_supported((4096,), 3, **supported)
+
+
+def test_a_position_replays_only_where_every_data_parallel_ranks_micro_batch_fits():
+    """DeepSpeed's gradient buckets fill in arrival order, which a replay and an eager backward differ in: the
+    ranks reducing one micro-batch's gradients must take the same path."""
+    from types import SimpleNamespace
+
+    from agentrl.trainer.cuda_graphs import GraphedForward
+
+    graphs = GraphedForward(HybridMoEForCausalLM(preset_config("tiny")), buckets=(64, 128), max_sequences=6)
+
+    def micro(tokens, sequences=1):
+        return SimpleNamespace(num_tokens=tokens, num_sequences=sequences)
+
+    per_rank = [[micro(100), micro(60), micro(2), micro(30, sequences=3)],
+                [micro(120), micro(200), micro(50), micro(30, sequences=5)]]
+    assert graphs.replayable(per_rank) == [True, False, True, False]
+    assert graphs.replayable(per_rank[:1]) == [True, True, True, True]  # one rank: whatever fits
+    with pytest.raises(ValueError):  # the plan gives every rank as many micro-batches
+        graphs.replayable([per_rank[0], per_rank[1][:3]])
+    ids = torch.zeros(30, dtype=torch.long)
+    with graphs.allowing(False):  # declined before any recording: the caller runs it eagerly
+        assert graphs(ids, torch.tensor([0, 30]), ids, None, 1.0) is None
+        assert graphs.replays == graphs.recordings == 0
+    assert graphs.allowed
+    with pytest.raises(RuntimeError), graphs.allowing(False):
+        raise RuntimeError("a failed micro-batch")
+    assert graphs.allowed  # restored however the block ends
 
 
 def test_the_job_config_takes_graph_buckets_from_the_command_line():
