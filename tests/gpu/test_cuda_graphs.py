@@ -1,6 +1,6 @@
 """Short micro-batches replayed from CUDA graphs (trainer/cuda_graphs.py) against the eager forward and backward: the
-log-probs, the gradients and the balancers' counts, a second micro-batch replayed from the first one's graph, and
-two ZeRO-2 trainer steps. Skipped without CUDA (fla's graph mode and the capture need it)."""
+log-probs, the gradients and the balancers' counts, later micro-batches (one filling the bucket exactly) replayed from
+the first one's graph, and two ZeRO-2 trainer steps. Skipped without CUDA (fla's graph mode and the capture need it)."""
 
 import dataclasses
 
@@ -49,7 +49,7 @@ def _close(graphed, eager):
         assert load.sum() == load_e.sum() and (load - load_e).abs().sum() <= 0.01 * load_e.sum()
 
 
-def test_a_graphed_micro_batch_trains_as_the_eager_one_and_a_second_replays_the_same_graph():
+def test_a_graphed_micro_batch_trains_as_the_eager_one_and_later_ones_replay_the_same_graph():
     from agentrl.trainer.cuda_graphs import GraphedForward
     from agentrl.trainer.forward import PackedPolicy
 
@@ -58,13 +58,14 @@ def test_a_graphed_micro_batch_trains_as_the_eager_one_and_a_second_replays_the_
     vocab = model.config.vocab_size
     policy = PackedPolicy(model)
     graphs = GraphedForward(model, buckets=(2048, 4096), max_sequences=16)
-    for seed, lengths in enumerate([(1500, 300, 900, 1200), (2000, 1000, 700, 40, 300)]):
+    # the third fills the bucket exactly: its padding sequence is empty, like the spare ones after it
+    for seed, lengths in enumerate([(1500, 300, 900, 1200), (2000, 1000, 700, 40, 300), (2048, 1000, 1048)]):
         batch = _micro_batch(lengths, vocab, seed)
         eager = _pass(lambda i, c, t: policy(i, c, t), model, batch)
         graphed = _pass(lambda i, c, t: graphs(i, c, t, None, 1.0), model, batch)
         _close(graphed, eager)
         assert list(graphs.graphs) == [(4096, 1.0)]  # the second micro-batch replayed the first one's graph
-    assert graphs.replays == 2
+    assert graphs.replays == 3
     # more sequences than a graph holds, or more tokens than the largest bucket: the caller runs it eagerly
     ids, cu, targets, _ = _micro_batch([100] * 15, vocab, 3)
     assert graphs(ids, cu, targets, None, 1.0) is None
