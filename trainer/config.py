@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from agentrl.trainer.losses import LossConfig
 
+CUDA_GRAPH_SPARE_SEQUENCES = 2  # a graph's offsets keep room for a padding sequence and an empty closing one
+
 DTYPES = ("auto", "bf16", "fp32")
 
 
@@ -99,7 +101,24 @@ class TrainerConfig:
         if self.expert_parallel > 1 and self.zero_stage == 3:
             raise ValueError(f"trainer.expert_parallel={self.expert_parallel} needs zero_stage=2: DeepSpeed "
                              f"partitions expert parameters over expert-data-parallel groups only under ZeRO-1/2")
+        if self.cuda_graph_tokens:
+            self._check_cuda_graphs()
         if self.keep_weight_versions < 1:
             raise ValueError(f"trainer.keep_weight_versions must be >= 1, got {self.keep_weight_versions}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+    def _check_cuda_graphs(self) -> None:
+        """What rules CUDA graphs out whatever the machine (trainer/cuda_graphs.py; the trainer checks for CUDA)."""
+        buckets = list(self.cuda_graph_tokens)
+        if any(b < 2 for b in buckets) or buckets != sorted(set(buckets)):
+            raise ValueError(f"trainer.cuda_graph_tokens must be increasing token counts >= 2, got {buckets}")
+        if self.cuda_graph_sequences <= CUDA_GRAPH_SPARE_SEQUENCES:
+            raise ValueError(f"trainer.cuda_graph_sequences must be > {CUDA_GRAPH_SPARE_SEQUENCES} (that many are "
+                             f"kept for padding), got {self.cuda_graph_sequences}")
+        if self.zero_stage == 3:
+            raise ValueError("trainer.cuda_graph_tokens needs zero_stage=2: ZeRO-3 frees each parameter after use "
+                             "and gathers it again through module hooks, which a graph replay skips")
+        if self.context_parallel > 1 or self.expert_parallel > 1:
+            raise ValueError("trainer.cuda_graph_tokens with context or expert parallelism: their collectives run "
+                             "inside the model, and a graph would replay them without their host-side bookkeeping")

@@ -16,7 +16,7 @@ the eager pass's gradient on the padded micro-batch; against the unpadded eager 
 only (padding changes the GEMM shapes), which a GRPO gradient's cancellation can magnify to tens of percent of its
 norm: compare with the same padding, or in fp64 (docs/benchmarks.md, "The 4K trainer step from CUDA graphs").
 
-What it needs, checked by `check_supported`: the parameters stay where the capture found them (ZeRO-1/2 update them
+What it needs (TrainerConfig checks it): the parameters stay where the capture found them (ZeRO-1/2 update them
 in place; ZeRO-3 frees and re-gathers them, through module hooks a graph would skip), no collectives inside the
 model (context and expert parallelism), CUDA. Gradient checkpointing is off inside the graph: a bucket's graph keeps
 its activations in its own memory pool, as much as an eager step of B tokens without checkpointing, for the life of
@@ -35,33 +35,11 @@ import torch
 
 from agentrl.model.modeling import HybridMoEForCausalLM
 from agentrl.model.static_shapes import static_shapes
+from agentrl.trainer.config import CUDA_GRAPH_SPARE_SEQUENCES as SPARE_SEQUENCES
 from agentrl.trainer.forward import PackedPolicy
 
 if TYPE_CHECKING:
     from agentrl.trainer.batching import MicroBatch
-
-SPARE_SEQUENCES = 2  # a graph's offsets keep room for the padding sequence and an empty one that closes them
-
-
-def check_supported(buckets: Sequence[int], max_sequences: int, *, zero_stage: int, context_parallel: int,
-                    expert_parallel: int, device: torch.device) -> None:
-    """Raises ValueError when the trainer's setup rules CUDA graphs out (see the module docstring)."""
-    if not buckets:
-        return
-    if any(b < 2 for b in buckets) or list(buckets) != sorted(set(buckets)):
-        raise ValueError(f"trainer.cuda_graph_tokens must be increasing token counts >= 2, got {list(buckets)}")
-    if max_sequences <= SPARE_SEQUENCES:
-        raise ValueError(f"trainer.cuda_graph_sequences must be > {SPARE_SEQUENCES} (that many are kept for "
-                         f"padding), got {max_sequences}")
-    if device.type != "cuda":
-        raise ValueError("trainer.cuda_graph_tokens needs a CUDA device; this trainer runs on "
-                         f"{device.type}: leave it empty")
-    if zero_stage == 3:
-        raise ValueError("trainer.cuda_graph_tokens needs zero_stage=2: ZeRO-3 frees each parameter after use and "
-                         "gathers it again through module hooks, which a graph replay skips")
-    if context_parallel > 1 or expert_parallel > 1:
-        raise ValueError("trainer.cuda_graph_tokens with context or expert parallelism: their collectives run "
-                         "inside the model, and a graph would replay them without their host-side bookkeeping")
 
 
 @dataclass(frozen=True, slots=True)

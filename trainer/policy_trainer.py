@@ -50,7 +50,7 @@ from agentrl.net import free_port
 from agentrl.trainer import zero
 from agentrl.trainer.batching import MicroBatch, StepPlan, context_slice, mini_batch_indices, pack, plan_step
 from agentrl.trainer.config import TrainerConfig
-from agentrl.trainer.cuda_graphs import GraphedForward, check_supported
+from agentrl.trainer.cuda_graphs import GraphedForward
 from agentrl.trainer.expert_checkpoint import MODEL_DIR, load_local_experts, save_model_shards, saved_expert_parallel
 from agentrl.trainer.forward import PackedPolicy, micro_batch_loss
 from agentrl.trainer.losses import LossConfig, grpo_advantages, read_sums
@@ -78,6 +78,9 @@ class PolicyTrainer:
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if config.cuda_graph_tokens and not torch.cuda.is_available():  # the rest is checked with the config
+            raise ValueError("trainer.cuda_graph_tokens needs a CUDA device, and this trainer would run on the CPU: "
+                             "leave it empty")
         if master_port is None:
             if world_size > 1:
                 raise ValueError("master_port is required with world_size > 1 (every rank must use the same one)")
@@ -119,8 +122,6 @@ class PolicyTrainer:
         if self.ep_size > 1:
             self._shard_experts()
         self.module = PackedPolicy(self.policy, config.temperature)
-        check_supported(config.cuda_graph_tokens, config.cuda_graph_sequences, zero_stage=config.zero_stage,
-                        context_parallel=self.cp_size, expert_parallel=self.ep_size, device=self.device)
         if config.zero_stage == 3:
             zero.prepare_zero3(self.module, self.policy)
         decay = [p for n, p in self.module.named_parameters() if p.ndim >= 2 and "_res_proj" not in n]

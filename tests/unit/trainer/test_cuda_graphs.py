@@ -9,7 +9,8 @@ from agentrl.model.balancing import ExpertBalancer
 from agentrl.model.config import preset_config
 from agentrl.model.modeling import HybridMoEForCausalLM, chunked_token_logprobs
 from agentrl.model.static_shapes import active, conv_chunk_indices, static_shapes
-from agentrl.trainer.cuda_graphs import check_supported, pad_micro_batch
+from agentrl.trainer.config import TrainerConfig
+from agentrl.trainer.cuda_graphs import pad_micro_batch
 
 
 def _chunks_by_loop(lengths: list[int], chunk: int) -> list[tuple[int, int]]:
@@ -136,19 +137,27 @@ def test_a_micro_batch_that_does_not_fit_is_refused():
     (dict(zero_stage=3), "zero_stage=2"),
     (dict(context_parallel=2), "context or expert"),
     (dict(expert_parallel=2), "context or expert"),
-    (dict(device=torch.device("cpu")), "CUDA device"),
+    (dict(cuda_graph_tokens=(4096, 2048)), "increasing"),
+    (dict(cuda_graph_tokens=(1,)), "increasing"),
+    (dict(cuda_graph_sequences=2), "cuda_graph_sequences must be > 2"),  # no micro-batch would ever fit
 ])
-def test_setups_a_graph_cannot_serve_are_refused_with_the_reason(kwargs, message):
-    setup = dict(zero_stage=2, context_parallel=1, expert_parallel=1, device=torch.device("cuda", 0)) | kwargs
+def test_setups_a_graph_cannot_serve_are_refused_when_the_config_loads(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        check_supported((4096,), 64, **setup)
-    check_supported((), 64, **setup)  # no graphs asked for: nothing to refuse
-    supported = dict(zero_stage=2, context_parallel=1, expert_parallel=1, device=torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="increasing"):
-        check_supported((4096, 2048), 64, **supported)
-    with pytest.raises(ValueError, match="cuda_graph_sequences must be > 2"):  # no micro-batch would ever fit
-        check_supported((4096,), 2, **supported)
-    check_supported((4096,), 3, **supported)
+        TrainerConfig(**({"run_dir": "/tmp/x", "cuda_graph_tokens": (4096,)} | kwargs))
+    TrainerConfig(run_dir="/tmp/x", cuda_graph_tokens=(2048, 4096), cuda_graph_sequences=3)
+    asked_for_no_graphs = {k: v for k, v in kwargs.items() if not k.startswith("cuda_graph")}
+    TrainerConfig(run_dir="/tmp/x", **asked_for_no_graphs)  # nothing to refuse
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a trainer without CUDA")
+def test_a_trainer_without_cuda_refuses_graphs_before_it_joins_a_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from agentrl.trainer import PolicyTrainer
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        PolicyTrainer(TrainerConfig(run_dir=str(tmp_path), cuda_graph_tokens=(64,)), preset_config("tiny"))
+    assert not dist.is_initialized()
 
 
 def test_a_position_replays_only_where_every_data_parallel_ranks_micro_batch_fits():
