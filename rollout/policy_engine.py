@@ -15,11 +15,18 @@ import asyncio
 import contextlib
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
+DEATH_POLL_S = 0.5  # how often a call in flight checks that the engine core still lives
+
+
+class EngineDied(RuntimeError):
+    """The engine core's process ended while a call to it was in flight."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,18 +183,19 @@ class PolicyEngine:
         if self._capture_routing:
             from agentrl.rollout.engine import take_routed_experts_async
 
-            out.routed_experts = (await take_routed_experts_async(self.llm, [request_id])).get(request_id)
+            routed = await self._control(take_routed_experts_async(self.llm, [request_id]))
+            out.routed_experts = routed.get(request_id)
         return out
 
     async def update_weights(self, path: str, version: int) -> None:
         """Pauses generation (in-flight requests frozen), loads the weights at `path`, resumes at `version`."""
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self._control(self.llm.pause_generation(mode="keep", clear_cache=False))
         try:
-            await self._reload_fn(self.llm, path, version)
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            await self._control(self._reload_fn(self.llm, path, version))
+            await self._control(self.llm.reset_prefix_cache(reset_running_requests=True))
             self.version = version
         finally:
-            await self.llm.resume_generation()
+            await self._control(self.llm.resume_generation())
 
     # --- in-memory syncs: the trainer streams buckets (trainer/weight_stream.py) through vLLM's weight-transfer API
     async def begin_sync(self) -> None:
@@ -195,36 +203,53 @@ class PolicyEngine:
         if not self.receives_in_memory:
             raise ValueError("in-memory weight syncs load into agentrl's vLLM model; this engine serves vLLM's own "
                              "implementation, which reloads from disk: set rollout.weight_sync.mode=disk")
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
-        await self.llm.start_weight_update()
+        await self._control(self.llm.pause_generation(mode="keep", clear_cache=False))
+        await self._control(self.llm.start_weight_update())
 
     async def load_bucket(self, bucket: dict) -> None:
         """Loads one bucket (agentrl.weight_buckets.BucketMeta as a dict) of the transfer in progress."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"bucket": bucket}))
+        await self._control(self.llm.update_weights(WeightTransferUpdateRequest(update_info={"bucket": bucket})))
 
     async def commit_sync(self, version: int) -> None:
         """Serves the transferred weights as `version` — the engine checks that every tensor arrived, else raises and
         stays paused — then empties the cache (running requests are re-prefilled) and resumes."""
-        await self.llm.finish_weight_update(str(version))
-        await self.llm.collective_rpc("agentrl_commit_weights", args=(version,))
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        await self._control(self.llm.finish_weight_update(str(version)))
+        await self._control(self.llm.collective_rpc("agentrl_commit_weights", args=(version,)))
+        await self._control(self.llm.reset_prefix_cache(reset_running_requests=True))
         self.version = version
-        await self.llm.resume_generation()
+        await self._control(self.llm.resume_generation())
 
     async def restore(self, path: str, version: int) -> None:
         """After a transfer that failed or was abandoned half way: loads the complete weights at `path` as `version`
         and resumes (what the engine then serves is one version, never a mix)."""
         with contextlib.suppress(Exception):  # close vLLM's transfer session if it is still open
-            await self.llm.finish_weight_update()
-        await self._reload_fn(self.llm, path, version)
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
+            await self._control(self.llm.finish_weight_update())
+        await self._control(self._reload_fn(self.llm, path, version))
+        await self._control(self.llm.reset_prefix_cache(reset_running_requests=True))
         self.version = version
-        await self.llm.resume_generation()
+        await self._control(self.llm.resume_generation())
 
     async def check_health(self) -> None:
-        await self.llm.check_health()
+        await self._control(self.llm.check_health())
+
+    async def _control(self, call: Awaitable[T]) -> T:
+        """Awaits one of vLLM's calls to the engine core (pause, resume, a weight update, an RPC), or raises
+        EngineDied once the core is gone.
+
+        vLLM resolves such a call's future only when the core replies: a core that dies with the call in flight leaves
+        it pending for ever (a call made after the death raises at once). A chaos run hung so for 17 minutes, the
+        engine core killed during a weight sync. vLLM's monitor thread marks the engine dead when the core's process
+        ends; that mark is polled here."""
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+            if done:
+                return task.result()
+            if self.dead:
+                task.cancel()
+                raise EngineDied("the vLLM engine core died while a call to it was in flight")
 
     @property
     def dead(self) -> bool:

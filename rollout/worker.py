@@ -125,7 +125,12 @@ class RolloutWorker:
         `restore` (path, version) instead — or, if that fails too, by ending this worker."""
         engine = await self._ready()
         self._sync = _Transfer(version, restore, timeout_s)
-        await engine.begin_sync()
+        try:
+            await engine.begin_sync()
+        except Exception:
+            self._sync = None
+            self._end_if_engine_died()
+            raise
         self._sync.watchdog = asyncio.ensure_future(self._watch_sync(self._sync))
 
     async def load_weights_bucket(self, bucket: dict) -> None:

@@ -257,3 +257,36 @@ def test_paused_episodes_reach_their_worker_by_reference_and_lose_nothing(ray_se
         whole = final[paused["trajectory_id"]]
         assert whole["tokens"][: len(paused["tokens"])] == paused["tokens"]
         assert whole["logprobs"][: len(paused["logprobs"])] == paused["logprobs"]
+
+
+def test_an_engine_core_that_dies_under_a_weight_sync_ends_its_worker_which_is_replaced(ray_session, hybrid_dir):
+    """vLLM answers a call to the engine core only when the core replies: a core killed with the call in flight left
+    the call, and the job, waiting for ever (a chaos run: 17 minutes, until its timeout). Now the worker sees the core's
+    death, ends, and the pool replaces it. The core is stopped (SIGSTOP) first, so that the call is surely in
+    flight when it dies."""
+    import os
+    import signal
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    ray = ray_session
+    pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
+                                                              hybrid_dir, CONFIG))
+    try:
+        assert len(pool.generate(requests(2, "a"))) == 2
+        worker = pool.workers[0]
+        worker_pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+        cores = [p for p in psutil.Process(worker_pid).children(recursive=True)
+                 if " ".join(p.cmdline()).startswith("VLLM::EngineCore")]
+        assert len(cores) == 1, [p.cmdline() for p in psutil.Process(worker_pid).children(recursive=True)]
+        os.kill(cores[0].pid, signal.SIGSTOP)
+        call = worker.begin_weight_sync.remote(1, (hybrid_dir, 0), 300.0)  # pauses the engine: a call to the core
+        time.sleep(2.0)
+        os.kill(cores[0].pid, signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(call, timeout=120)  # before: GetTimeoutError, the call still waiting
+        again = pool.generate(requests(2, "b"))
+        assert pool.restarts == 1 and sorted(t.trajectory_id for t in again) == ["b-0", "b-1"]
+        assert all(t.status in (Status.COMPLETED, Status.TRUNCATED) for t in again)
+    finally:
+        pool.shutdown()
