@@ -243,13 +243,15 @@ class PolicyEngine:
         engine core killed during a weight sync. vLLM's monitor thread marks the engine dead when the core's process
         ends; that mark is polled here."""
         task = asyncio.ensure_future(call)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
-            if done:
-                return task.result()
-            if self.dead:
-                task.cancel()
-                raise EngineDied("the vLLM engine core died while a call to it was in flight")
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+                if done:
+                    return task.result()
+                if self.dead:
+                    raise EngineDied("the vLLM engine core died while a call to it was in flight")
+        finally:
+            task.cancel()  # an abandoned call (the core died, or our caller was cancelled) does not run on alone
 
     @property
     def dead(self) -> bool:

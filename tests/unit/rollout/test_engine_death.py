@@ -64,3 +64,18 @@ def test_a_call_the_core_answers_returns_its_result():
             return "ok"
 
     assert asyncio.run(PolicyEngine(Answers())._control(Answers().check_health())) == "ok"
+
+
+def test_a_cancelled_caller_cancels_the_call_it_waits_on():
+    llm = CoreThatDies(after_s=60.0)
+
+    async def run():
+        waiting = asyncio.ensure_future(PolicyEngine(llm).check_health())
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert len(llm.pending) == 1 and llm.pending[0].cancelled()
