@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import signal
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -163,7 +166,6 @@ def test_a_dead_worker_is_replaced_and_its_episodes_rerun(ray_session, hybrid_di
 def test_a_dead_workers_episodes_resume_from_their_snapshots(ray_session, hybrid_dir, tmp_path):
     """Lossless resume (issue 27): the episodes a killed worker was running continue from the snapshots they
     reported at turn boundaries, and (seeded) end on the tokens an uninterrupted run samples."""
-    import time
 
     from agentrl.store import StoreConfig, TrajectoryStore, TrajectoryStoreActor
 
@@ -264,10 +266,6 @@ def test_an_engine_core_that_dies_under_a_weight_sync_ends_its_worker_which_is_r
     the call, and the job, waiting for ever (a chaos run: 17 minutes, until its timeout). Now the worker sees the core's
     death, ends, and the pool replaces it. The core is stopped (SIGSTOP) first, so that the call is surely in
     flight when it dies."""
-    import os
-    import signal
-    import time
-
     psutil = pytest.importorskip("psutil")
     ray = ray_session
     pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
