@@ -57,6 +57,8 @@ class RolloutWorker:
         self.store = store
         self.reporter = (SnapshotReporter(store, interval_s=config.snapshot_interval_s, snapshots=config.snapshots)
                          if store is not None else None)
+        if engine is None:  # vLLM's imports (~7 s of a core) now: the driver starts workers before their weights exist
+            import vllm.v1.engine.async_llm  # noqa: F401
 
     async def _ready(self) -> PolicyEngine:
         """The engine, built on first use (inside the actor's event loop, where AsyncLLM must live)."""
@@ -273,9 +275,17 @@ class RolloutPool:
         self._weight_source: tuple[Any, Any] | None = None  # (trainer group, rollout.weight_sync) of in-memory syncs
         self.max_trajectory_tokens: int | None = None  # the context schedule's limit, once set
         self.restarts = 0
+        self._engine_starts: list[Any] = []  # start_engines' pings: an engine that failed to start is reported by the call
+        # that needs it (held, a failed ping is not also printed as Ray's "unhandled error" when its reference goes)
 
     def _start(self):
         return self.actor_cls.remote(*self.args, **self.kwargs)
+
+    def start_engines(self) -> None:
+        """Starts every worker's engine now, without waiting, instead of at its first episodes: once the weights
+        exist, the engines start while the driver does other work (the warm start's SFT). A worker whose engine fails
+        to start fails its first call, as it would without this."""
+        self._engine_starts = [worker.ping.remote() for worker in self.workers]
 
     def _replace(self, index: int, dead: Any) -> None:
         """Replaces worker `index`, whose handle `dead` failed — unless another call already replaced it (async

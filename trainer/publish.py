@@ -80,7 +80,7 @@ def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version:
     start = time.perf_counter()
     root = os.path.join(run_dir, WEIGHTS_DIR)
     os.makedirs(root, exist_ok=True)
-    final = os.path.join(root, f"v{version}")
+    final = weights_dir(run_dir, version)
     tmp = tempfile.mkdtemp(dir=root, prefix=f".tmp-v{version}-")
     try:
         save_state_dict(state, config, tmp)
@@ -107,6 +107,11 @@ def write_weights(state: dict[str, torch.Tensor], config, run_dir: str, version:
     _write_atomic(os.path.join(root, LATEST_FILE), f"v{version}\n")
     return PublishedWeights(version=version, path=final, checksums=checksums, num_bytes=num_bytes,
                             gather_s=gather_s, write_s=time.perf_counter() - start)
+
+
+def weights_dir(run_dir: str, version: int) -> str:
+    """Where `write_weights` puts `version`."""
+    return os.path.join(run_dir, WEIGHTS_DIR, f"v{version}")
 
 
 def latest_weights(run_dir: str) -> tuple[int, str] | None:
