@@ -281,11 +281,13 @@ class RolloutPool:
     def _start(self):
         return self.actor_cls.remote(*self.args, **self.kwargs)
 
-    def start_engines(self) -> None:
+    def start_engines(self) -> list[Any]:
         """Starts every worker's engine now, without waiting, instead of at its first episodes: once the weights
-        exist, the engines start while the driver does other work (the warm start's SFT). A worker whose engine fails
-        to start fails its first call, as it would without this."""
+        exist, the engines start while the driver does other work (the warm start's SFT). Returns the calls (each
+        resolves to the version its engine serves). A worker whose engine fails to start fails its first call, as
+        it would without this."""
         self._engine_starts = [worker.ping.remote() for worker in self.workers]
+        return self._engine_starts
 
     def _replace(self, index: int, dead: Any) -> None:
         """Replaces worker `index`, whose handle `dead` failed — unless another call already replaced it (async

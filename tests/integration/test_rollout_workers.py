@@ -212,7 +212,7 @@ def test_a_store_that_dies_under_a_rollout_stops_it_without_replacing_the_worker
     pool = RolloutPool(rollout_worker_actor(num_cpus=1), 1, (EngineSpec(model=hybrid_dir, max_model_len=2048),
                                                              hybrid_dir, CONFIG), store=store)
     try:
-        ray.get(pool.workers[0].ping.remote())  # the engine is up: the episodes below start at once
+        assert ray.get(pool.start_engines()) == [0]  # the engine is up: the episodes below start at once
         submitted = pool.submit([replace(r, env_kwargs={"max_turns": 6}) for r in requests(8, "s")], to_store=True)
         ray.kill(store)
         with pytest.raises(ray.exceptions.RayActorError) as raised:
