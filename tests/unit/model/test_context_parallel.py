@@ -54,10 +54,18 @@ def _loss(model, ids, targets, weights, cu, shard=None):
     return logp, (logp * weights).sum()
 
 
-def _rank(rank: int, world: int, port: int, lengths: list[int], bounded: bool, attn_res: bool) -> None:
+def _rank(rank: int, world: int, port: int, cases: list[tuple[str, bool, bool]]) -> None:
+    """Every case (batch, bounded gate, AttnRes) in one process group: a spawn of the ranks costs seconds, a case
+    a fraction of one."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    for batch, bounded, attn_res in cases:
+        _check(rank, world, BATCHES[batch], bounded, attn_res, f"{batch}, bounded={bounded}, attn_res={attn_res}")
+    dist.destroy_process_group()
+
+
+def _check(rank: int, world: int, lengths: list[int], bounded: bool, attn_res: bool, case: str) -> None:
     ids, targets, weights, cu = _batch(lengths)
     assert pad_length(len(ids), world, 4) == 0  # the batches split evenly
 
@@ -70,26 +78,26 @@ def _rank(rank: int, world: int, port: int, lengths: list[int], bounded: bool, a
     part = slice(shard.lo, shard.hi)
     logp, loss = _loss(model, ids[part], targets[part], weights[part], shard.cu_seqlens, shard)
     loss.backward()
-    torch.testing.assert_close(logp, ref_logp[part].detach(), **TOL)
+    torch.testing.assert_close(logp, ref_logp[part].detach(), **TOL, msg=lambda m: f"{case}, log-probs: {m}")
     total = loss.detach().clone()
     dist.all_reduce(total)
-    torch.testing.assert_close(total, ref_loss.detach(), **TOL)
+    torch.testing.assert_close(total, ref_loss.detach(), **TOL, msg=lambda m: f"{case}, loss: {m}")
     for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
         grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
-    dist.destroy_process_group()
+        torch.testing.assert_close(grad, ref.grad, **TOL, msg=lambda m, name=name: f"{case}, {name}: {m}")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_context_parallel_equals_one_rank(world, batch):
-    mp.spawn(_rank, args=(world, free_port(), BATCHES[batch], True, True), nprocs=world, join=True)
+# (batch, bounded KDA gate, Block AttnRes) per world size: every batch with the K3 layers, and on two ranks the
+# unbounded gate and plain residuals
+CASES = {2: [("crossing", True, True), ("one_sequence", True, True), ("crossing", False, True),
+             ("crossing", True, False)],
+         4: [("crossing", True, True), ("one_sequence", True, True)]}
 
 
-@pytest.mark.parametrize("bounded,attn_res", [(False, True), (True, False)])
-def test_context_parallel_equals_one_rank_unbounded_gate_and_plain_residuals(bounded, attn_res):
-    mp.spawn(_rank, args=(2, free_port(), BATCHES["crossing"], bounded, attn_res), nprocs=2, join=True)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_context_parallel_equals_one_rank(world):
+    mp.spawn(_rank, args=(world, free_port(), CASES[world]), nprocs=world, join=True)
 
 
 def test_shards_cover_the_batch_and_know_which_sequence_continues():
