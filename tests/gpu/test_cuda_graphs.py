@@ -114,7 +114,7 @@ def _steps_recording_gradients(run_dir, buckets, replay=True):
         trainer.close()
 
 
-@pytest.mark.one_gpu_trainer
+@pytest.mark.gpu_memory_heavy
 def test_zero2_steps_with_graphed_micro_batches_train_as_eager_ones(tmp_path):
     """Three micro-batches a step, each replayed from the 4K graph recorded at the first, over two steps (the
     second reads the weights the optimizer wrote in place): the gradient DeepSpeed accumulates from the replays and

@@ -105,7 +105,7 @@ def _trainer_rank(rank: int, world: int, port: int, expert_parallel: int, out: s
     trainer.close()
 
 
-@pytest.mark.one_gpu_trainer
+@pytest.mark.gpu_memory_heavy
 def test_trainer_step_with_experts_over_all_gpus_matches_data_parallel(tmp_path):
     pytest.importorskip("deepspeed")
     world = min(torch.cuda.device_count(), 8)

@@ -147,6 +147,7 @@ def test_varlen_attention_bf16_backward_is_finite_and_matches_fp64(lengths, dims
         assert err < 2e-2, (name, err.item())
 
 
+@pytest.mark.gpu_memory_heavy
 def test_small_preset_trains_a_step_in_bf16():
     torch.manual_seed(0)
     model = HybridMoEForCausalLM(preset_config("small")).to("cuda", torch.bfloat16).train()
@@ -242,6 +243,7 @@ def test_agentrl_code_never_makes_the_host_wait_for_the_gpu_in_a_training_micro_
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.gpu_memory_heavy
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_a_context_slice_made_on_the_host_runs_on_cuda_and_matches_the_whole(tmp_path, dtype, tolerance):
     """The trainer slices micro-batches for context parallelism on the host (`batching.context_slice`); the model

@@ -20,7 +20,7 @@ from tests.zero_norms import record_both_norms
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-              pytest.mark.one_gpu_trainer]
+              pytest.mark.gpu_memory_heavy]
 
 LENGTHS = (1500, 300, 900, 2100, 640, 1200, 80, 1700)  # 8.4K tokens in two GRPO groups
 PACKED = sum(n - 1 for n in LENGTHS)  # each sequence trains on its tokens[:-1] → tokens[1:]

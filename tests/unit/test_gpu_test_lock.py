@@ -1,5 +1,5 @@
-"""The lock that runs the GPU suite's DeepSpeed trainer tests one at a time across pytest-xdist workers
-(tests/gpu/conftest.py): two processes that take it never hold it at once."""
+"""The lock that runs the GPU suite's memory-heavy tests (DeepSpeed trainers, the small preset in fp32) one at a
+time across pytest-xdist workers (tests/gpu/conftest.py): two processes that take it never hold it at once."""
 
 import multiprocessing
 import time
