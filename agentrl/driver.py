@@ -270,7 +270,7 @@ def start_rollout(job: JobConfig, policy_dir: str, weights: tuple[str, int], *, 
                   actors: contextlib.ExitStack):
     """The trajectory store actor and the rollout workers, whose engines will serve `weights` (path, version) once
     there. A worker's process and imports start now; its engine at its first call or at `pool.start_engines()`, so the
-    driver may start the workers before the trainer has written the weights (~10 s of a job's start on 2 cores)."""
+    driver may start the workers before the trainer has written the weights (docs/benchmarks.md, session 43)."""
     import ray
 
     from agentrl.rollout.worker import RolloutPool, rollout_worker_actor

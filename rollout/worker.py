@@ -57,7 +57,7 @@ class RolloutWorker:
         self.store = store
         self.reporter = (SnapshotReporter(store, interval_s=config.snapshot_interval_s, snapshots=config.snapshots)
                          if store is not None else None)
-        if engine is None:  # vLLM's imports (~7 s of a core) now: the driver starts workers before their weights exist
+        if engine is None:  # vLLM's imports (seconds of a core) now: the driver starts workers before their weights
             import vllm.v1.engine.async_llm  # noqa: F401
 
     async def _ready(self) -> PolicyEngine:
@@ -275,8 +275,7 @@ class RolloutPool:
         self._weight_source: tuple[Any, Any] | None = None  # (trainer group, rollout.weight_sync) of in-memory syncs
         self.max_trajectory_tokens: int | None = None  # the context schedule's limit, once set
         self.restarts = 0
-        self._engine_starts: list[Any] = []  # start_engines' pings: an engine that failed to start is reported by the call
-        # that needs it (held, a failed ping is not also printed as Ray's "unhandled error" when its reference goes)
+        self._engine_starts: list[Any] = []  # start_engines' calls, held for the pool's life (a caller may drop them)
 
     def _start(self):
         return self.actor_cls.remote(*self.args, **self.kwargs)
