@@ -275,7 +275,6 @@ class RolloutPool:
         self._weight_source: tuple[Any, Any] | None = None  # (trainer group, rollout.weight_sync) of in-memory syncs
         self.max_trajectory_tokens: int | None = None  # the context schedule's limit, once set
         self.restarts = 0
-        self._engine_starts: list[Any] = []  # start_engines' calls, held for the pool's life (a caller may drop them)
 
     def _start(self):
         return self.actor_cls.remote(*self.args, **self.kwargs)
@@ -285,8 +284,7 @@ class RolloutPool:
         exist, the engines start while the driver does other work (the warm start's SFT). Returns the calls (each
         resolves to the version its engine serves). A worker whose engine fails to start fails its first call, as
         it would without this."""
-        self._engine_starts = [worker.ping.remote() for worker in self.workers]
-        return self._engine_starts
+        return [worker.ping.remote() for worker in self.workers]
 
     def _replace(self, index: int, dead: Any) -> None:
         """Replaces worker `index`, whose handle `dead` failed — unless another call already replaced it (async
