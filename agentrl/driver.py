@@ -339,7 +339,10 @@ def connect(job: JobConfig) -> None:
         from agentrl.reaper import start_reaper
 
         start_reaper()  # the local instance's processes end with this one, however it ends
-        ray.init(num_cpus=job.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+        # "local": a new instance even where `ray start` left a cluster running on this machine. Ray's default joins
+        # that one (its address file, <tmp>/ray/ray_current_cluster), and the job waited for ever on a 1-CPU
+        # cluster's resources, or, given cluster.num_cpus, failed: "num_cpus ... must not be provided"
+        ray.init(address="local", num_cpus=job.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 @dataclass(frozen=True, slots=True)

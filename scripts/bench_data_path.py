@@ -58,7 +58,7 @@ def run_mode(args) -> dict:
     from agentrl.rollout.worker import put_results
     from agentrl.store import StoreConfig, TrajectoryStoreActor
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 
     @ray.remote(num_cpus=0)
     class Worker:

@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--skip-publish", action="store_true")
     parser.add_argument("--large", action="store_true")
     args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows = [bench_training(stage, args.steps, args.groups, ckpt) for stage in (2, 3) for ckpt in (True, False)]
         print("\nTraining, tiny model (0.31M params), 2 ranks x 1 CPU thread, fp32, gloo, "

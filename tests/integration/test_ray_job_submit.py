@@ -94,18 +94,40 @@ def wait_gone(procs: list, timeout_s: float) -> list:
         time.sleep(0.1)
 
 
-def test_stopping_the_test_cluster_leaves_other_ray_processes_alone(ray_cluster, ray_session):
-    """The session's own Ray instance (another cluster on this machine) survives the stop of this test's one."""
+def test_a_local_job_beside_a_ray_start_cluster_starts_its_own_instance_and_each_stops_alone(ray_cluster, ray_session):
+    """A job without an address starts its own local Ray instance even where `ray start` left its address for
+    ray.init() to find (its default would join that cluster); and the session's own Ray instance (another cluster on
+    this machine) survives the stop of this test's one."""
     _, env = ray_cluster
+    temp_dir = env["RAY_TEST_TEMP_DIR"]
+    with open(os.path.join(temp_dir, "ray_current_cluster")) as f:
+        started = f.read().strip()
+    # the state `ray start` leaves with the default temp dir: <RAY_TMPDIR>/ray/ray_current_cluster names the cluster
+    default_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: the job's instance puts its sockets there
+    os.makedirs(os.path.join(default_tmp, "ray"))
+    with open(os.path.join(default_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write(started)
+    job_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": default_tmp}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import ray; from agentrl.config import load_config; from agentrl.driver import "
+             "connect; connect(load_config('configs/quickstart.yaml')[0]); "
+             "print('gcs', ray.get_runtime_context().gcs_address); ray.shutdown()"],
+            cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=180)
+    finally:
+        shutil.rmtree(default_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    joined = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("gcs ")]
+    assert joined and joined[0] != started, (started, done.stdout, done.stderr[-2000:])
 
     def running_ray() -> set[int]:  # a stopped process may linger as a zombie where nothing reaps it
         return {p.pid for p in psutil.process_iter(["name", "status"])
                 if p.info["name"] in ("raylet", "gcs_server") and p.info["status"] != psutil.STATUS_ZOMBIE}
 
     before = running_ray()
-    ours = {p.pid for p in cluster_processes(env["RAY_TEST_TEMP_DIR"])}
+    ours = {p.pid for p in cluster_processes(temp_dir)}
     assert ours & before and before - ours  # two clusters run; ours is a part
-    stop_cluster(env["RAY_TEST_TEMP_DIR"])
+    stop_cluster(temp_dir)
     after = running_ray()
     assert before - ours <= after and not ours & after
     assert ray_session.is_initialized() and ray_session.cluster_resources()
