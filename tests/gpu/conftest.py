@@ -10,12 +10,17 @@ was cut before pytest said why). Each builds one or more full `small` trainers (
 states, gradient buffers) and each trainer takes a free rendezvous port when it starts: two at once may run out of
 memory together, or take the same port. Session 43's four workers on an H100 ran out of memory in eight tests that
 passed alone: one trainer (~20 GB) beside the context-slice test's `small` model in fp32 (26 GB) and two other
-workers' 20 and 11 GB; those tests now take the lock too.
+workers' 20 and 11 GB; those tests now take the lock too. Session 44's two runs still ran out of memory in one and
+three trainer tests: light tests (an RMSNorm of 500×1024) began with 18.5–20.8 GiB reserved in their workers, left
+from an earlier test. Each test now writes what its worker had reserved before it, at its peak and after its release
+into the JUnit report (`--junitxml`), and a failed test's exception, which pytest keeps with every frame's locals
+(sys.last_*), is dropped before the release.
 """
 
 import contextlib
 import fcntl
 import gc
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,8 +50,24 @@ def _one_heavy_test_at_a_time(request, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _release_cached_gpu_memory(_one_heavy_test_at_a_time):  # released before the lock is
+def _release_cached_gpu_memory(_one_heavy_test_at_a_time, request):  # released before the lock is
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
     yield
-    if torch.cuda.is_available():
-        gc.collect()  # DeepSpeed engines and CUDA graphs sit in reference cycles: free them before the cache
-        torch.cuda.empty_cache()
+    peak = torch.cuda.max_memory_reserved()
+    # pytest keeps a failed test's exception in sys.last_* (for post-mortem debugging), and with it every frame's
+    # locals: a failed test's GBs would stay reserved in its worker for the tests after it
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()  # DeepSpeed engines and CUDA graphs sit in reference cycles: free them before the cache
+    torch.cuda.empty_cache()
+    # in the JUnit report (`--junitxml`): what each test reserved, and what it left reserved in its worker, so that
+    # which tests need the lock is read there, not guessed
+    gib = 2 ** 30
+    request.node.user_properties += [("gpu_reserved_before_gib", round(before / gib, 2)),
+                                     ("gpu_peak_reserved_gib", round(peak / gib, 2)),
+                                     ("gpu_reserved_after_gib", round(torch.cuda.memory_reserved() / gib, 2))]
