@@ -13,8 +13,8 @@ passed alone: one trainer (~20 GB) beside the context-slice test's `small` model
 workers' 20 and 11 GB; those tests now take the lock too. Session 44's two runs still ran out of memory in one and
 three trainer tests: light tests (an RMSNorm of 500×1024) began with 18.5–20.8 GiB reserved in their workers, left
 from an earlier test. Each test now writes what its worker had reserved before it, at its peak and after its release
-into the JUnit report (`--junitxml`), and a failed test's exception, which pytest keeps with every frame's locals
-(sys.last_*), is dropped before the release.
+into the JUnit report (`--junitxml`; scripts/gpu_memory_report.py prints it), and a failed test's exception, which
+pytest keeps with every frame's locals (sys.last_*) until the next test's call, is dropped before the release.
 """
 
 import contextlib
@@ -58,8 +58,8 @@ def _release_cached_gpu_memory(_one_heavy_test_at_a_time, request):  # released 
     torch.cuda.reset_peak_memory_stats()
     yield
     peak = torch.cuda.max_memory_reserved()
-    # pytest keeps a failed test's exception in sys.last_* (for post-mortem debugging), and with it every frame's
-    # locals: a failed test's GBs would stay reserved in its worker for the tests after it
+    # pytest keeps a failed test's exception in sys.last_* (for post-mortem debugging) until the next test's call, and
+    # with it every frame's locals: a failed trainer test's GBs stayed reserved in its worker until the next release
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
