@@ -119,8 +119,8 @@ def latest_weights(run_dir: str) -> tuple[int, str] | None:
     path = os.path.join(run_dir, WEIGHTS_DIR, LATEST_FILE)
     if not os.path.exists(path):
         return None
-    name = open(path).read().strip()
-    return int(name[1:]), os.path.join(run_dir, WEIGHTS_DIR, name)
+    version = int(open(path).read().strip()[1:])  # "v{N}"
+    return version, weights_dir(run_dir, version)
 
 
 def _versions(root: str) -> list[int]:
